@@ -1,0 +1,1 @@
+"""Edges of snapstore: Orbax, Pathways, MaxText. Import as ``snapstore.integrations``."""

@@ -1,0 +1,29 @@
+"""snapstore: per-step in-RAM snapshots of JAX train state, beside Orbax."""
+
+from . import errors as errors
+from ._manager import SnapshotManager as SnapshotManager
+from ._persistent import OrbaxTier as OrbaxTier
+from .errors import (
+    BudgetExceededError as BudgetExceededError,
+    CorruptSnapshotError as CorruptSnapshotError,
+    NothingToRestoreError as NothingToRestoreError,
+    SnapshotInProgressError as SnapshotInProgressError,
+    SnapstoreError as SnapstoreError,
+    StepNotFoundError as StepNotFoundError,
+    TreeMismatchError as TreeMismatchError,
+)
+from .metrics import RestoreResult as RestoreResult
+from .metrics import SaveMetrics as SaveMetrics
+from .metrics import Source as Source
+from .options import BusyPolicy as BusyPolicy
+from .options import SnapshotOptions as SnapshotOptions
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError",
+    "NothingToRestoreError", "OrbaxTier", "RestoreResult", "SaveMetrics",
+    "SnapshotInProgressError", "SnapshotManager", "SnapshotOptions",
+    "SnapstoreError", "Source", "StepNotFoundError", "TreeMismatchError",
+    "errors",
+]

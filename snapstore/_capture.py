@@ -1,0 +1,123 @@
+"""Capture: take a state's shards out of reach of the next train step, then
+drain them into a host-store slot with checksums.
+
+``capture`` runs on the caller's thread and returns as soon as every shard is
+safe from the next step:
+
+* on CPU, a shard's ``np.asarray`` is a zero-copy view of the live buffer. While
+  a view is alive, XLA will not donate that buffer (it copies instead), so the
+  view is a stable source for the background copy: one memcpy in all.
+* on accelerators, each leaf is dispatched to ``pinned_host`` memory with an
+  async ``device_put``; the drain reads the host copy.
+
+``drain`` copies each piece chunk by chunk into the slot on a thread pool and
+computes the crc32c of each chunk while it is hot in cache, then drops the
+sources so the next step may donate again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import crc32c
+import jax
+import numpy as np
+
+from ._hoststore import align
+from ._layout import LeafKind, LeafSpec, Piece, addressable_pieces
+
+Source = Callable[[], np.ndarray]
+
+
+@dataclasses.dataclass
+class Capture:
+  specs: list[LeafSpec]
+  pieces: list[Piece]
+  owners: list[int]
+  sources: list[Source]
+  scalars: dict[int, Any]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(align(p.nbytes) for p in self.pieces)
+
+  def release(self) -> None:
+    self.sources = []
+
+
+def _bytes_of(x: np.ndarray) -> np.ndarray:
+  return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
+def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
+            host: int) -> Capture:
+  """Takes a stable reference to every addressable piece of ``leaves``."""
+  cap = Capture(list(specs), [], [], [], {})
+  for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+    if spec.kind is LeafKind.SCALAR:
+      cap.scalars[i] = leaf
+      continue
+    if spec.kind is LeafKind.NUMPY:
+      # numpy leaves are mutable by the caller: copy now (they are small).
+      data = np.array(leaf, copy=True)
+      cap.pieces.append(Piece(i, tuple((0, d) for d in data.shape), data.nbytes))
+      cap.owners.append(host)
+      cap.sources.append(lambda d=data: d)
+      continue
+    arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+    on_cpu = all(d.platform == "cpu" for d in arr.sharding.device_set)
+    if not on_cpu:
+      arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
+    for piece, shard in addressable_pieces(i, arr):
+      cap.pieces.append(piece)
+      cap.owners.append(host)
+      if on_cpu:
+        view = np.asarray(shard.data)  # blocks until the step computed it.
+        cap.sources.append(lambda v=view: v)
+      else:
+        cap.sources.append(lambda s=shard: np.asarray(s.data))
+  return cap
+
+
+def layout_offsets(pieces: Sequence[Piece]) -> list[int]:
+  offsets, off = [], 0
+  for p in pieces:
+    offsets.append(off)
+    off += align(p.nbytes)
+  return offsets
+
+
+def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
+          pool: futures.Executor, chunk_bytes: int) -> list[tuple[int, ...]]:
+  """Copies every piece into ``dst`` at ``offsets``; returns chunk crcs."""
+
+  def copy_chunk(src: np.ndarray, at: int, a: int, b: int) -> int:
+    out = dst[at + a: at + b]
+    np.copyto(out, src[a:b])
+    return crc32c.crc32c(out)
+
+  jobs = []
+  for source, piece, at in zip(cap.sources, cap.pieces, offsets):
+    src = _bytes_of(source())
+    if src.nbytes != piece.nbytes:
+      raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, "
+                       f"expected {piece.nbytes}")
+    jobs.append([pool.submit(copy_chunk, src, at, a, min(a + chunk_bytes, src.nbytes))
+                 for a in range(0, max(src.nbytes, 1), chunk_bytes)])
+  crcs = [tuple(f.result() for f in fs) for fs in jobs]
+  cap.release()
+  return crcs
+
+
+def verify(buf: np.ndarray, crcs: Sequence[int], *, pool: futures.Executor,
+           chunk_bytes: int) -> bool:
+  """True if every chunk of ``buf`` matches its recorded crc32c."""
+  n = buf.nbytes
+  starts = list(range(0, max(n, 1), chunk_bytes))
+  if len(starts) != len(crcs):
+    return False
+  got = pool.map(lambda a: crc32c.crc32c(buf[a:min(a + chunk_bytes, n)]), starts)
+  return all(g == c for g, c in zip(got, crcs))

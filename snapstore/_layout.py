@@ -1,0 +1,169 @@
+"""Pytree -> leaves -> shards, and the tree digest that fences mismatches.
+
+A *leaf spec* describes one leaf as stored: its key path, kind, storage dtype
+and storage shape. Typed PRNG keys are stored as their ``key_data`` (uint32)
+with the key implementation's name. A *piece* is one addressable shard of one
+leaf, named by its global index range; replicated shards on one host are
+stored once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import errors
+
+Index = tuple[tuple[int, int], ...]
+SCALAR_TYPES = (bool, int, float, str)
+
+
+class LeafKind(enum.Enum):
+  ARRAY = "array"    # jax.Array
+  KEY = "key"        # typed PRNG key jax.Array, stored as key_data
+  NUMPY = "numpy"    # numpy array or numpy scalar
+  SCALAR = "scalar"  # bool / int / float / str, stored in the manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  path: str
+  kind: LeafKind
+  dtype: str = ""
+  shape: tuple[int, ...] = ()
+  key_impl: str = ""
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.np_dtype).itemsize
+
+  @property
+  def np_dtype(self) -> np.dtype:
+    return np.dtype(jax.numpy.dtype(self.dtype))
+
+  def describe(self) -> str:
+    if self.kind is LeafKind.SCALAR:
+      return "python scalar"
+    extra = f" key_impl={self.key_impl}" if self.key_impl else ""
+    return f"{self.kind.value} {self.dtype}{list(self.shape)}{extra}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """One stored shard: ``leaf`` (index into the specs) and its global range."""
+
+  leaf: int
+  index: Index
+  nbytes: int
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(b - a for a, b in self.index)
+
+
+def path_str(path: Sequence[Any]) -> str:
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or "<root>"
+
+
+def normalize_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+  out = []
+  for i, dim in enumerate(shape):
+    s = index[i] if i < len(index) else slice(None)
+    start, stop, step = s.indices(dim)
+    if step != 1:
+      raise ValueError(f"strided shard index {index} is not supported")
+    out.append((start, stop))
+  return tuple(out)
+
+
+def is_key(x: Any) -> bool:
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def leaf_spec(path: str, leaf: Any) -> LeafSpec:
+  """The stored description of one concrete or abstract leaf."""
+  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+    if is_key(leaf):
+      data = jax.eval_shape(jax.random.key_data, leaf)
+      impl = leaf.dtype._impl.name  # the registered name, e.g. "threefry2x32"
+      return LeafSpec(path, LeafKind.KEY, str(data.dtype), tuple(data.shape), impl)
+    return LeafSpec(path, LeafKind.ARRAY, str(leaf.dtype), tuple(leaf.shape))
+  if isinstance(leaf, (np.ndarray, np.generic)):
+    if leaf.dtype.hasobject:
+      raise TypeError(f"leaf {path!r}: object arrays cannot be snapshotted")
+    return LeafSpec(path, LeafKind.NUMPY, str(leaf.dtype), tuple(np.shape(leaf)))
+  if leaf is None or isinstance(leaf, SCALAR_TYPES):
+    return LeafSpec(path, LeafKind.SCALAR)
+  raise TypeError(
+      f"leaf {path!r} has unsupported type {type(leaf).__name__}; snapstore "
+      "stores jax.Array, typed PRNG keys, numpy arrays and bool/int/float/str")
+
+
+def flatten(tree: Any) -> tuple[list[LeafSpec], list[Any], Any]:
+  """Returns (specs, leaves, treedef) of a state pytree."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  specs = [leaf_spec(path_str(p), leaf) for p, leaf in with_path]
+  seen: set[str] = set()
+  for s in specs:
+    if s.path in seen:
+      raise ValueError(f"two leaves share the key path {s.path!r}")
+    seen.add(s.path)
+  return specs, [leaf for _, leaf in with_path], treedef
+
+
+def tree_digest(specs: Sequence[LeafSpec]) -> str:
+  """A digest of paths, kinds, dtypes and shapes: equal trees, equal digests."""
+  rows = [[s.path, s.kind.value, s.dtype, list(s.shape), s.key_impl] for s in specs]
+  return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:32]
+
+
+def check_compatible(saved: Sequence[LeafSpec], target: Sequence[LeafSpec],
+                     *, step: int) -> None:
+  """Raises TreeMismatchError naming the first leaf that differs."""
+  saved_by_path = {s.path: s for s in saved}
+  target_paths = {t.path for t in target}
+  for t in target:
+    s = saved_by_path.get(t.path)
+    if s is None:
+      missing = sorted(set(saved_by_path) - target_paths)
+      raise errors.TreeMismatchError(
+          f"leaf {t.path!r} of the abstract state is not in the snapshot of step "
+          f"{step} (saved leaves not in the abstract state: {missing[:5]}). Pass "
+          "an abstract state with the structure that was saved.", leaf=t.path)
+    target_kind_ok = (s.kind == t.kind or
+                      {s.kind, t.kind} <= {LeafKind.ARRAY, LeafKind.NUMPY})
+    if not target_kind_ok or s.dtype != t.dtype or s.shape != t.shape or \
+        s.key_impl != t.key_impl:
+      raise errors.TreeMismatchError(
+          f"leaf {t.path!r}: saved as {s.describe()} at step {step}, the abstract "
+          f"state asks for {t.describe()}. Fix the abstract state or restore "
+          "into a model of the saved shape.", leaf=t.path)
+  extra = sorted(set(saved_by_path) - target_paths)
+  if extra:
+    raise errors.TreeMismatchError(
+        f"the snapshot of step {step} has leaf {extra[0]!r} that the abstract "
+        "state lacks. Pass an abstract state with the structure that was saved.",
+        leaf=extra[0])
+
+
+def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.Shard]]:
+  """Unique addressable shards of ``arr`` (one per distinct global index).
+
+  For a typed key leaf pass ``jax.random.key_data(leaf)``.
+  """
+  shape = tuple(arr.shape)
+  itemsize = np.dtype(arr.dtype).itemsize
+  out: dict[Index, tuple[Piece, jax.Shard]] = {}
+  for shard in sorted(arr.addressable_shards, key=lambda s: s.device.id):
+    idx = normalize_index(shard.index, shape)
+    if idx not in out:
+      n = int(np.prod([b - a for a, b in idx], dtype=np.int64)) * itemsize
+      out[idx] = (Piece(leaf_idx, idx, n), shard)
+  return list(out.values())

@@ -1,0 +1,280 @@
+"""SnapshotManager: orchestration only; the logic lives in the modules it calls."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from . import _capture, _planner, errors
+from ._assemble import Assembler, BadCopy
+from ._hoststore import HostStore, host_dir
+from ._layout import check_compatible, flatten, tree_digest
+from ._manifest import Manifest, PieceRecord, check_extra
+from ._persistent import OrbaxTier
+from .metrics import RestoreResult, SaveMetrics, Source
+from .options import BusyPolicy, SnapshotOptions
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotManager:
+  """Keeps per-step snapshots of a train state in host RAM, beside Orbax.
+
+  Args:
+    options: a :class:`SnapshotOptions`.
+    persistent: the persistent tier: an ``orbax.checkpoint.CheckpointManager``,
+      an :class:`OrbaxTier`, a path (local or ``gs://``), or None.
+
+  Threading: call ``save``/``restore``/``wait_until_finished`` from one thread
+  (the training loop). ``save`` returns once the state's buffers are safe from
+  the next step; the copy into the store, the checksums and the manifest
+  commit run on background threads. Errors of a background drain are raised
+  by the next ``save`` or ``wait_until_finished``.
+  """
+
+  def __init__(self, options: SnapshotOptions | None = None, *,
+               persistent: OrbaxTier | ocp.CheckpointManager | str | os.PathLike[str]
+               | None = None):
+    self.options = options or SnapshotOptions()
+    self.host = jax.process_index()
+    self.num_hosts = jax.process_count()
+    self.store = HostStore(
+        host_dir(self.options.store_dir, self.options.run_id, self.host),
+        run_id=self.options.run_id, host=self.host, keep=self.options.keep,
+        budget_bytes=self.options.budget_bytes)
+    if persistent is None or isinstance(persistent, OrbaxTier):
+      self.persistent = persistent
+    else:
+      self.persistent = OrbaxTier(persistent)
+    prev_step, prev_inc = self.store.read_progress()
+    seen = [m.incarnation for m in self.store.manifests()] + [prev_inc]
+    self.incarnation = (self.options.incarnation if self.options.incarnation
+                        is not None else max(seen) + 1)
+    self._newest_step = prev_step
+    self.metrics = SaveMetrics()
+    self._copy_pool = futures.ThreadPoolExecutor(
+        self.options.copy_threads, thread_name_prefix="snapstore-copy")
+    self._drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
+    self._inflight: futures.Future[None] | None = None
+    self._lock = threading.Lock()
+    self._closed = False
+
+  # ------------------------------------------------------------------ save
+  def save(self, step: int, state: Any, *, extra: Any = None,
+           force: bool = False) -> bool:
+    """Snapshots ``state`` at ``step`` if the interval says so (or ``force``).
+
+    Returns True if a snapshot was started, False if this step is not a
+    snapshot step or was skipped under ``BusyPolicy.SKIP`` (counted in
+    ``metrics.skipped_busy``). Saves to the persistent tier on its interval.
+    Blocks only until the state's buffers are safe from the next step (and,
+    under ``BusyPolicy.WAIT``, until the previous snapshot is complete).
+    """
+    self._check_open()
+    if type(step) is not int or step < 0:
+      raise ValueError(f"step must be a non-negative int, got {step!r}")
+    self._newest_step = max(self._newest_step, step)
+    self.store.write_progress(self._newest_step, self.incarnation)
+    snap = force or self.options.should_snapshot(step)
+    persist = self.persistent is not None and self.options.should_persist(step)
+    if not (snap or persist):
+      return False
+    check_extra(extra)
+    specs, leaves, _ = flatten(state)
+    if persist:
+      self.persistent.save(step, specs, leaves, extra)
+      self.metrics.persistent_saves += 1
+    if not snap:
+      return False
+    if self._inflight is not None and not self._inflight.done():
+      if self.options.busy_policy is BusyPolicy.SKIP:
+        self.metrics.skipped_busy += 1
+        logger.info("step %d: previous snapshot still draining; skipped (policy SKIP)", step)
+        return False
+      t = time.perf_counter()
+      self._inflight.result()
+      self.metrics.waited_busy += 1
+      self.metrics.wait_seconds += time.perf_counter() - t
+    self._raise_drain_error()
+    t0 = time.perf_counter()
+    cap = _capture.capture(specs, leaves, host=self.host)
+    self.store.plan_slots(cap.nbytes)
+    retained = _planner.fence(self.store.manifests())
+    slot = self.store.free_slot(retained)
+    for m in self.store.manifests():
+      if m.slot == slot:
+        self.store.delete(m.step, f"slot {slot} reused for step {step}")
+    manifest_base = dict(
+        run_id=self.options.run_id, incarnation=self.incarnation, step=step,
+        host=self.host, num_hosts=self.num_hosts, tree_digest=tree_digest(specs),
+        slot=slot, chunk_bytes=self.options.chunk_bytes, leaves=tuple(specs),
+        scalars=dict(cap.scalars), extra=extra)
+    self.metrics.snapshots_started += 1
+    self._inflight = self._drainer.submit(self._drain, cap, slot, manifest_base)
+    self.metrics.capture_seconds = time.perf_counter() - t0
+    return True
+
+  def _drain(self, cap: _capture.Capture, slot: int, base: dict[str, Any]) -> None:
+    t0 = time.perf_counter()
+    offsets = _capture.layout_offsets(cap.pieces)
+    nbytes = cap.nbytes
+    crcs = _capture.drain(cap, self.store.slot_buffer(slot), offsets,
+                          pool=self._copy_pool, chunk_bytes=self.options.chunk_bytes)
+    pieces = tuple(PieceRecord(p.leaf, p.index, off, p.nbytes, c, owner)
+                   for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners))
+    self.store.commit(Manifest(pieces=pieces, created=time.time(), **base))
+    self._retain()
+    self.metrics.snapshots_committed += 1
+    self.metrics.bytes_snapshotted += nbytes
+    self.metrics.drain_seconds = time.perf_counter() - t0
+
+  def _retain(self) -> None:
+    ms = self.store.manifests()
+    valid = _planner.fence(ms)
+    for m in ms:
+      if m not in valid:
+        self.store.delete(m.step, "superseded by a newer incarnation")
+    keep = min(self.options.keep, max(self.store.num_slots - 1, 1))
+    for m in valid[:-keep]:
+      self.store.delete(m.step, f"retention keeps {keep}")
+
+  def _raise_drain_error(self) -> None:
+    f = self._inflight
+    if f is not None and f.done() and f.exception() is not None:
+      self._inflight = None
+      raise errors.SnapshotInProgressError(
+          f"the background snapshot failed: {f.exception()!r}") from f.exception()
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the in-flight snapshot (and persistent save) is committed."""
+    if self._inflight is not None:
+      futures.wait([self._inflight])
+      self._raise_drain_error()
+    if self.persistent is not None:
+      self.persistent.wait_until_finished()
+
+  # ------------------------------------------------------------- queries
+  def snapshot_steps(self) -> list[int]:
+    """Steps with a complete snapshot manifest in this host's store."""
+    return sorted({m.step for m in _planner.fence(self.store.manifests())})
+
+  def all_steps(self) -> list[int]:
+    """Steps restorable from any tier (snapshots of this host, committed Orbax)."""
+    steps = set(self.snapshot_steps())
+    if self.persistent is not None:
+      steps.update(self.persistent.committed_steps())
+    return sorted(steps)
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  # ------------------------------------------------------------- restore
+  def restore(self, abstract_state: Any, *, step: int | None = None) -> RestoreResult:
+    """Restores the freshest usable step (or ``step``) into ``abstract_state``'s layout.
+
+    ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` (with
+    shardings), concrete arrays, numpy arrays or scalars, with the structure
+    that was saved. Sources, freshest first: a complete, checksum-valid
+    snapshot; else the newest committed persistent step. Blocks.
+    """
+    self._check_open()
+    self.wait_until_finished()
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    target_specs, targets, treedef = flatten(abstract_state)
+    manifests = self.store.manifests()
+    timings["scan"] = time.perf_counter() - t0
+    newest = max([self._newest_step] + [m.step for m in manifests])
+    persistent_steps = self.persistent.committed_steps() if self.persistent else []
+    if step is not None and step not in persistent_steps:
+      persistent_steps_ok = []
+    else:
+      persistent_steps_ok = [s for s in persistent_steps if step is None or s == step]
+    notes: list[str] = []
+    bad: set[_planner.CopyKey] = set()
+    while True:
+      t = time.perf_counter()
+      plan = _planner.choose(manifests, step=step, bad=bad, prefer_host=self.host)
+      timings["plan"] = timings.get("plan", 0.0) + time.perf_counter() - t
+      if plan is None or (persistent_steps_ok and persistent_steps_ok[-1] > plan.step):
+        break
+      check_compatible(plan.specs, target_specs, step=plan.step)
+      assembler = Assembler(plan, self._reader, pool=self._copy_pool)
+      t = time.perf_counter()
+      try:
+        leaves = assembler.tree(target_specs, targets)
+      except BadCopy as e:
+        note = f"step {plan.step}: {e}; using another copy or an older step"
+        logger.warning(note)
+        notes.append(note)
+        bad.add(e.key)
+        continue
+      timings["read"] = time.perf_counter() - t
+      timings["total"] = time.perf_counter() - t0
+      return RestoreResult(
+          step=plan.step, state=jax.tree_util.tree_unflatten(treedef, leaves),
+          extra=plan.extra, source=Source.SNAPSHOT, rewind_steps=newest - plan.step,
+          newest_step=newest, bytes_read={"snapshot": assembler.bytes_read},
+          timings=timings, notes=tuple(notes))
+    if not persistent_steps_ok:
+      where = self.persistent.directory if self.persistent else "no persistent tier"
+      what = f"step {step}" if step is not None else "any step"
+      raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(
+          f"no complete snapshot of {what} in {self.store.root} and no committed "
+          f"checkpoint in {where}. Nothing was deleted; start from scratch, or "
+          "point store_dir/run_id/persistent at the run to resume.")
+    pstep = persistent_steps_ok[-1]
+    notes.append(f"no complete snapshot at or after step {pstep}; "
+                 "restoring from the persistent tier")
+    logger.info(notes[-1])
+    t = time.perf_counter()
+    check_compatible(self.persistent.saved_specs(pstep), target_specs, step=pstep)
+    before = self.persistent.bytes_read
+    leaves, extra = self.persistent.restore(pstep, target_specs, targets)
+    timings["read"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - t0
+    return RestoreResult(
+        step=pstep, state=jax.tree_util.tree_unflatten(treedef, leaves), extra=extra,
+        source=Source.PERSISTENT, rewind_steps=max(newest, pstep) - pstep,
+        newest_step=max(newest, pstep),
+        bytes_read={"persistent": self.persistent.bytes_read - before},
+        timings=timings, notes=tuple(notes))
+
+  def _reader(self, copy: _planner.Copy) -> Any:
+    if copy.host != self.host:
+      raise NotImplementedError("remote copies are read by the multi-host path")
+    buf = self.store.read_buffer(copy.slot, copy.slot_bytes)
+    return buf[copy.record.offset: copy.record.offset + copy.record.nbytes]
+
+  # ------------------------------------------------------------ lifecycle
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError("this SnapshotManager is closed")
+
+  def close(self) -> None:
+    """Waits for in-flight work, then releases threads and mappings."""
+    if self._closed:
+      return
+    try:
+      self.wait_until_finished()
+    finally:
+      self._closed = True
+      self._drainer.shutdown(wait=True)
+      self._copy_pool.shutdown(wait=True)
+      if self.persistent is not None:
+        self.persistent.close()
+      self.store.close()
+
+  def __enter__(self) -> SnapshotManager:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()

@@ -1,0 +1,145 @@
+"""The persistent tier: an Orbax ``CheckpointManager`` at any Orbax path.
+
+The state is saved flat: one array per non-scalar leaf under a stable name
+(``l00012``), typed keys as their ``key_data``, plus a small JSON item with the
+leaf specs, the scalar leaves and ``extra`` (msgpack, base64). Only steps that
+Orbax committed (its finalization marker) are listed.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import msgpack
+import numpy as np
+import orbax.checkpoint as ocp
+
+from . import errors
+from ._layout import LeafKind, LeafSpec
+
+logger = logging.getLogger(__name__)
+
+STATE, META = "state", "snapstore"
+
+
+def _name(i: int) -> str:
+  return f"l{i:05d}"
+
+
+class OrbaxTier:
+  """Periodic Orbax checkpoints beside the snapshots.
+
+  Args:
+    manager: an ``orbax.checkpoint.CheckpointManager`` (async recommended), or
+      a path (local directory or ``gs://...``) for which one is created with
+      async saving and ``max_to_keep``.
+
+  ``save`` and ``restore`` are collective in a multi-process job: every
+  process calls them with the same step.
+  """
+
+  def __init__(self, manager: ocp.CheckpointManager | str | os.PathLike[str], *,
+               max_to_keep: int = 3):
+    if not isinstance(manager, ocp.CheckpointManager):
+      manager = ocp.CheckpointManager(
+          manager, options=ocp.CheckpointManagerOptions(
+              max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True))
+    self.manager = manager
+    self.bytes_read = 0
+
+  @property
+  def directory(self) -> str:
+    return str(self.manager.directory)
+
+  def save(self, step: int, specs: Sequence[LeafSpec], leaves: Sequence[Any],
+           extra: Any) -> None:
+    arrays, scalars = {}, {}
+    for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+      if spec.kind is LeafKind.SCALAR:
+        scalars[str(i)] = leaf
+      elif spec.kind is LeafKind.KEY:
+        arrays[_name(i)] = jax.random.key_data(leaf)
+      elif spec.kind is LeafKind.NUMPY:
+        arrays[_name(i)] = np.array(leaf, copy=True)
+      else:
+        arrays[_name(i)] = leaf
+    meta = {
+        "leaves": [[s.path, s.kind.value, s.dtype, list(s.shape), s.key_impl]
+                   for s in specs],
+        "scalars": scalars,
+        "extra": base64.b64encode(msgpack.packb(extra, use_bin_type=True)).decode(),
+    }
+    self.manager.save(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}))
+
+  def committed_steps(self) -> list[int]:
+    """Steps whose Orbax checkpoint is committed, as stored now."""
+    self.manager.reload()
+    return sorted(self.manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    steps = self.committed_steps()
+    return steps[-1] if steps else None
+
+  def restore(self, step: int, specs: Sequence[LeafSpec],
+              targets: Sequence[Any]) -> tuple[list[Any], Any]:
+    """Restores ``step`` into leaves laid out like ``targets``.
+
+    Returns (leaves, extra). ``specs`` are the abstract state's specs; the
+    check against what was saved is the caller's (it raises TreeMismatchError).
+    """
+    if step not in self.committed_steps():
+      raise errors.StepNotFoundError(
+          f"step {step} has no committed Orbax checkpoint in {self.directory}")
+    meta = self.manager.restore(step, args=ocp.args.Composite(
+        **{META: ocp.args.JsonRestore()}))[META]
+    abstract = {}
+    for i, (spec, target) in enumerate(zip(specs, targets)):
+      if spec.kind is LeafKind.SCALAR:
+        continue
+      if spec.kind is LeafKind.NUMPY:
+        abstract[_name(i)] = np.zeros(spec.shape, spec.np_dtype)
+      else:
+        abstract[_name(i)] = jax.ShapeDtypeStruct(
+            spec.shape, spec.np_dtype, sharding=target_sharding(target))
+    arrays = self.manager.restore(step, args=ocp.args.Composite(
+        **{STATE: ocp.args.StandardRestore(abstract)}))[STATE]
+    out = []
+    for i, spec in enumerate(specs):
+      if spec.kind is LeafKind.SCALAR:
+        out.append(meta["scalars"][str(i)])
+        continue
+      a = arrays[_name(i)]
+      self.bytes_read += spec.nbytes
+      if spec.kind is LeafKind.KEY:
+        a = jax.random.wrap_key_data(a, impl=spec.key_impl)
+      elif spec.kind is LeafKind.NUMPY:
+        a = np.asarray(a)
+      out.append(a)
+    extra = msgpack.unpackb(base64.b64decode(meta["extra"]), raw=False,
+                            strict_map_key=False)
+    return out, extra
+
+  def saved_specs(self, step: int) -> list[LeafSpec]:
+    meta = self.manager.restore(step, args=ocp.args.Composite(
+        **{META: ocp.args.JsonRestore()}))[META]
+    return [LeafSpec(p, LeafKind(k), d, tuple(s), ki) for p, k, d, s, ki in meta["leaves"]]
+
+  def wait_until_finished(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def target_sharding(target: Any) -> jax.sharding.Sharding:
+  """The sharding a restored jax.Array leaf should have."""
+  sharding = getattr(target, "sharding", None)
+  if sharding is None:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return sharding

@@ -1,0 +1,129 @@
+"""Inventories -> the freshest recoverable step, with every copy of each piece.
+
+One deterministic function of the manifests that the surviving hosts actually
+hold (never of a "latest" pointer written earlier): every host that runs it on
+the same inventory reaches the same decision.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._layout import Index, LeafSpec
+from ._manifest import Manifest, PieceRecord
+
+logger = logging.getLogger(__name__)
+
+# (host, step, leaf, index): one stored copy that failed verification.
+CopyKey = tuple[int, int, int, Index]
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+  """One stored copy of one piece: which host's store, which slot, where."""
+
+  host: int
+  slot: int
+  record: PieceRecord
+  slot_bytes: int
+
+  def key(self, step: int) -> CopyKey:
+    return (self.host, step, self.record.leaf, self.record.index)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  step: int
+  incarnation: int
+  specs: tuple[LeafSpec, ...]
+  tree_digest: str
+  chunk_bytes: int
+  copies: Mapping[tuple[int, Index], tuple[Copy, ...]]  # preference order
+  scalars: Mapping[int, Any]
+  extra: Any
+  hosts: tuple[int, ...]
+
+  def leaf_copies(self, leaf: int) -> dict[Index, tuple[Copy, ...]]:
+    return {idx: c for (lf, idx), c in self.copies.items() if lf == leaf}
+
+
+def fence(manifests: Iterable[Manifest]) -> list[Manifest]:
+  """Drops manifests that a newer incarnation superseded.
+
+  A manifest of incarnation i at step t is stale if any manifest of a newer
+  incarnation exists at a step <= t: the newer incarnation restored from an
+  earlier step and recomputed from there.
+  """
+  ms = list(manifests)
+  newest_start: dict[int, int] = {}
+  for m in ms:
+    newest_start[m.incarnation] = min(newest_start.get(m.incarnation, m.step), m.step)
+  out = []
+  for m in ms:
+    later = [s for inc, s in newest_start.items() if inc > m.incarnation and s <= m.step]
+    if later:
+      logger.info("host %d step %d: incarnation %d superseded by a newer one",
+                  m.host, m.step, m.incarnation)
+      continue
+    out.append(m)
+  return out
+
+
+def _volume(index: Index) -> int:
+  return int(np.prod([b - a for a, b in index], dtype=np.int64))
+
+
+def plan_step(step: int, manifests: Sequence[Manifest], *,
+              bad: Collection[CopyKey] = (), prefer_host: int = 0) -> StepPlan | None:
+  """A plan for ``step`` if every piece of every leaf has a usable copy."""
+  ms = [m for m in manifests if m.step == step]
+  if not ms:
+    return None
+  inc = max(m.incarnation for m in ms)
+  ms = [m for m in ms if m.incarnation == inc]
+  digests = collections.Counter(m.tree_digest for m in ms)
+  if len(digests) > 1:
+    logger.warning("step %d: hosts disagree on the tree digest (%s); skipping",
+                   step, dict(digests))
+    return None
+  ref = ms[0]
+  copies: dict[tuple[int, Index], list[Copy]] = collections.defaultdict(list)
+  for m in sorted(ms, key=lambda m: (m.host != prefer_host, m.host)):
+    slot_bytes = max((p.offset + p.nbytes for p in m.pieces), default=0)
+    for p in m.pieces:
+      c = Copy(m.host, m.slot, p, slot_bytes)
+      if c.key(step) not in bad:
+        copies[(p.leaf, p.index)].append(c)
+  for leaf, spec in enumerate(ref.leaves):
+    if spec.kind.value == "scalar":
+      continue
+    have = sum(_volume(idx) for (lf, idx) in copies if lf == leaf)
+    if have != _volume(tuple((0, d) for d in spec.shape)):
+      logger.info("step %d: leaf %r has no complete set of copies (%d of %d elements)",
+                  step, spec.path, have, _volume(tuple((0, d) for d in spec.shape)))
+      return None
+  return StepPlan(step=step, incarnation=inc, specs=ref.leaves,
+                  tree_digest=ref.tree_digest, chunk_bytes=ref.chunk_bytes,
+                  copies={k: tuple(v) for k, v in copies.items()},
+                  scalars=dict(ref.scalars), extra=ref.extra,
+                  hosts=tuple(sorted({m.host for m in ms})))
+
+
+def choose(manifests: Iterable[Manifest], *, step: int | None = None,
+           bad: Collection[CopyKey] = (), prefer_host: int = 0) -> StepPlan | None:
+  """The freshest recoverable step (or exactly ``step``); None if none is."""
+  ms = fence(manifests)
+  steps = sorted({m.step for m in ms}, reverse=True)
+  if step is not None:
+    steps = [s for s in steps if s == step]
+  for s in steps:
+    plan = plan_step(s, ms, bad=bad, prefer_host=prefer_host)
+    if plan is not None:
+      return plan
+  return None

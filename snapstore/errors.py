@@ -1,0 +1,50 @@
+"""The snapstore error family.
+
+Every error derives from :class:`SnapstoreError`; most also derive from the
+builtin a caller would naturally catch (``FileNotFoundError``, ``ValueError``,
+``MemoryError``), so ``except FileNotFoundError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class SnapstoreError(Exception):
+  """Root of every error raised by snapstore."""
+
+
+class NothingToRestoreError(SnapstoreError, FileNotFoundError):
+  """No complete snapshot survives and the persistent tier has no committed step."""
+
+
+class StepNotFoundError(SnapstoreError, FileNotFoundError):
+  """A specific step was asked for and no source holds it complete."""
+
+
+class TreeMismatchError(SnapstoreError, ValueError):
+  """The abstract state given to restore does not match what was saved.
+
+  Attributes:
+    leaf: the key path of the first leaf that differs (``"params/w"``).
+  """
+
+  def __init__(self, message: str, *, leaf: str):
+    super().__init__(message)
+    self.leaf = leaf
+
+
+class CorruptSnapshotError(SnapstoreError, ValueError):
+  """A stored shard failed its checksum, or a manifest could not be parsed."""
+
+  def __init__(self, message: str, *, step: int | None = None,
+               leaf: str | None = None):
+    super().__init__(message)
+    self.step = step
+    self.leaf = leaf
+
+
+class BudgetExceededError(SnapstoreError, MemoryError):
+  """The host store cannot hold the snapshots within its byte budget."""
+
+
+class SnapshotInProgressError(SnapstoreError, RuntimeError):
+  """A snapshot failed in its background drain; carries the original error."""

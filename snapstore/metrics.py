@@ -1,0 +1,66 @@
+"""Counters and timings a SnapshotManager reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class Source(enum.Enum):
+  """Where a restored state came from."""
+
+  SNAPSHOT = "snapshot"      # a host-RAM snapshot
+  PERSISTENT = "persistent"  # the Orbax tier
+
+
+@dataclasses.dataclass
+class SaveMetrics:
+  """Cumulative save-side counters of one manager (read them any time)."""
+
+  snapshots_started: int = 0
+  snapshots_committed: int = 0
+  skipped_busy: int = 0          # steps not snapshotted under BusyPolicy.SKIP
+  waited_busy: int = 0           # saves that waited under BusyPolicy.WAIT
+  wait_seconds: float = 0.0      # time save() spent waiting for a drain
+  capture_seconds: float = 0.0   # time save() spent before returning (last)
+  drain_seconds: float = 0.0     # background copy + checksum + commit (last)
+  bytes_snapshotted: int = 0
+  persistent_saves: int = 0
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+  """What ``restore`` returns: the state and where it came from.
+
+  Attributes:
+    step: the restored step.
+    state: the restored pytree, laid out like the abstract state.
+    extra: the ``extra`` saved with the step.
+    source: ``Source.SNAPSHOT`` or ``Source.PERSISTENT``.
+    rewind_steps: newest step ever saved minus ``step``.
+    newest_step: the newest step ever passed to ``save`` (-1 if unknown).
+    bytes_read: bytes read per tier (``{"snapshot": n, "persistent": m}``).
+    timings: seconds per phase (``scan``, ``plan``, ``read``, ``total``...).
+    notes: why fresher candidates were not used.
+  """
+
+  step: int
+  state: Any
+  extra: Any
+  source: Source
+  rewind_steps: int
+  newest_step: int
+  bytes_read: dict[str, int]
+  timings: dict[str, float]
+  notes: tuple[str, ...] = ()
+
+  def summary(self) -> dict[str, Any]:
+    return {"step": self.step, "source": self.source.value,
+            "rewind_steps": self.rewind_steps, "newest_step": self.newest_step,
+            "bytes_read": dict(self.bytes_read),
+            "timings": {k: round(v, 6) for k, v in self.timings.items()},
+            "notes": list(self.notes)}

@@ -1,0 +1,93 @@
+"""Frozen, validated option dataclasses and the policies users swap."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+DEFAULT_STORE_DIR = "/dev/shm/snapstore"
+
+
+class BusyPolicy(enum.Enum):
+  """What ``save`` does when the previous snapshot is still draining."""
+
+  WAIT = "wait"  # block until the previous snapshot is complete, then start.
+  SKIP = "skip"  # do not snapshot this step; counted in ``metrics.skipped``.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SnapshotOptions:
+  """How often, how many and where snapshots are kept.
+
+  Attributes:
+    interval: take a snapshot every ``interval`` steps (``step % interval == 0``).
+    keep: newest complete snapshots kept in the host store.
+    budget_bytes: byte budget of this host's store (``None``: no budget beyond
+      the free space of ``store_dir``). One snapshot being written plus the
+      newest complete one must fit, so the budget must hold two snapshots.
+    store_dir: a directory on a RAM-backed filesystem; the store of this run
+      lives in ``<store_dir>/<run_id>/host-<process index>/``.
+    run_id: names the run; a store of another run is never restored.
+    persistent_interval: save to the persistent tier every this many steps
+      (``0`` disables periodic persistent saves).
+    busy_policy: what ``save`` does when the previous snapshot still drains.
+    copy_threads: worker threads that copy and checksum shards.
+    chunk_bytes: unit of copy and checksum.
+    replicas: copies of each shard kept in other failure domains (multi-host).
+    hosts_per_domain: hosts that fail together, where devices carry no
+      ``slice_index`` (``None``: one domain per host).
+    incarnation: this process's incarnation; ``None`` derives it from the
+      store (one more than the newest seen).
+  """
+
+  interval: int = 1
+  keep: int = 2
+  budget_bytes: int | None = None
+  store_dir: str | os.PathLike[str] = DEFAULT_STORE_DIR
+  run_id: str = "default"
+  persistent_interval: int = 0
+  busy_policy: BusyPolicy = BusyPolicy.WAIT
+  copy_threads: int = 2
+  chunk_bytes: int = 8 << 20
+  replicas: int = 1
+  hosts_per_domain: int | None = None
+  incarnation: int | None = None
+
+  def __post_init__(self):
+    _positive("interval", self.interval)
+    _positive("keep", self.keep)
+    _positive("copy_threads", self.copy_threads)
+    if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
+      raise ValueError(
+          f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
+    if self.budget_bytes is not None and self.budget_bytes <= 0:
+      raise ValueError(f"budget_bytes must be positive or None, got {self.budget_bytes}")
+    if self.persistent_interval < 0:
+      raise ValueError(
+          f"persistent_interval must be >= 0 (0 disables), got {self.persistent_interval}")
+    if not isinstance(self.busy_policy, BusyPolicy):
+      raise TypeError(f"busy_policy must be a BusyPolicy, got {self.busy_policy!r}")
+    if not _RUN_ID_RE.match(self.run_id):
+      raise ValueError(
+          f"run_id must match {_RUN_ID_RE.pattern} (it names a directory), "
+          f"got {self.run_id!r}")
+    if self.replicas < 0:
+      raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+    if self.hosts_per_domain is not None:
+      _positive("hosts_per_domain", self.hosts_per_domain)
+    if self.incarnation is not None and self.incarnation < 0:
+      raise ValueError(f"incarnation must be >= 0, got {self.incarnation}")
+
+  def should_snapshot(self, step: int) -> bool:
+    return step % self.interval == 0
+
+  def should_persist(self, step: int) -> bool:
+    return self.persistent_interval > 0 and step % self.persistent_interval == 0
+
+
+def _positive(name: str, value: int) -> None:
+  if not isinstance(value, int) or value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
