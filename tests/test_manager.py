@@ -1,0 +1,155 @@
+"""SnapshotManager on one host (8 CPU devices): round trips, donation, resume."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import snapstore
+from snapstore.example import ModelConfig, Trainer
+from tests.helpers import assert_bitwise_equal, host_copy, shardings
+
+
+@pytest.fixture(scope="module")
+def trainer():
+  return Trainer(ModelConfig())
+
+
+def mixed_state(trainer):
+  state = trainer.init_state()
+  state["single"] = jax.device_put(jnp.arange(10, dtype=jnp.bfloat16), jax.devices()[5])
+  state["keys"] = jax.random.split(jax.random.key(7), 3)
+  state["np"] = np.arange(6, dtype=np.int16).reshape(2, 3)
+  state["np_scalar"] = np.float32(1.5)
+  state["count"] = 17
+  state["lr"] = 0.25
+  state["flag"] = True
+  state["name"] = "run"
+  return state
+
+
+def opts(store_dir, **kw):
+  return snapstore.SnapshotOptions(store_dir=store_dir, **kw)
+
+
+def test_round_trip_is_bitwise_for_every_leaf_kind(trainer, store_dir):
+  state = mixed_state(trainer)
+  extra = {"data": {"epoch": 1, "position": 12345}, "blob": b"\x00\x01"}
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    assert mgr.save(3, state, extra=extra)
+    mgr.wait_until_finished()
+    result = mgr.restore(state)
+  assert result.step == 3 and result.source is snapstore.Source.SNAPSHOT
+  assert result.rewind_steps == 0
+  assert result.extra == extra
+  assert_bitwise_equal(state, result.state)
+  assert shardings(result.state) == shardings(state)
+  assert isinstance(result.state["np"], np.ndarray)
+  assert isinstance(result.state["np_scalar"], np.float32)
+
+
+def test_replicated_shards_are_stored_once(trainer, store_dir):
+  mesh = trainer.mesh
+  rep = jax.device_put(jnp.ones((1024,), jnp.float32),
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr.save(0, {"rep": rep})
+    mgr.wait_until_finished()
+    assert mgr.metrics.bytes_snapshotted == 4096
+
+
+def test_abstract_state_restores_onto_its_sharding(trainer, store_dir):
+  state = trainer.init_state()
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr.save(1, state)
+    result = mgr.restore(trainer.abstract_state())
+  assert_bitwise_equal(state, result.state)
+  assert shardings(result.state) == shardings(state)
+
+
+def test_donating_step_after_save_does_not_change_the_snapshot(trainer, store_dir):
+  state = trainer.init_state()
+  state, _ = trainer.step(state, 0)
+  expected = host_copy(state)
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as mgr:
+    mgr.save(1, state)
+    for s in range(2, 5):  # donates `state`'s buffers right away
+      state, _ = trainer.step(state, s)
+    result = mgr.restore(trainer.abstract_state(), step=1)
+  assert_bitwise_equal(expected, result.state)
+  assert not np.array_equal(expected["rng"], host_copy(state)["rng"])
+
+
+def test_resume_from_step_7_matches_uninterrupted_run(trainer, store_dir):
+  state = trainer.init_state()
+  losses = {}
+  with snapstore.SnapshotManager(opts(store_dir, keep=4)) as mgr:
+    for s in range(1, 11):
+      state, loss = trainer.step(state, s)
+      losses[s] = float(loss)
+      mgr.save(s, state)
+    final = host_copy(state)
+    result = mgr.restore(trainer.abstract_state(), step=7)
+  assert result.step == 7 and result.rewind_steps == 3
+  state = result.state
+  for s in range(8, 11):
+    state, loss = trainer.step(state, s)
+    assert float(loss) == losses[s], s
+  assert_bitwise_equal(final, state)
+
+
+def test_skip_policy_counts_skipped_steps(trainer, store_dir):
+  state = trainer.init_state()
+  o = opts(store_dir, busy_policy=snapstore.BusyPolicy.SKIP, copy_threads=1)
+  with snapstore.SnapshotManager(o) as mgr:
+    gate = threading.Event()
+    mgr._copy_pool.submit(gate.wait)  # the drain of step 1 waits behind this.
+    assert mgr.save(1, state)
+    assert not mgr.save(2, state)
+    gate.set()
+    mgr.wait_until_finished()
+    assert mgr.save(3, state)
+    mgr.wait_until_finished()
+    assert mgr.metrics.skipped_busy == 1
+    assert mgr.snapshot_steps() == [1, 3]
+
+
+def test_wait_policy_waits_and_counts(trainer, store_dir):
+  state = trainer.init_state()
+  with snapstore.SnapshotManager(opts(store_dir, copy_threads=1)) as mgr:
+    gate = threading.Event()
+    mgr._copy_pool.submit(gate.wait)
+    assert mgr.save(1, state)
+    threading.Timer(0.2, gate.set).start()
+    assert mgr.save(2, state)
+    mgr.wait_until_finished()
+    assert mgr.metrics.waited_busy == 1
+    assert mgr.snapshot_steps() == [1, 2]
+
+
+def test_interval_and_non_snapshot_steps(trainer, store_dir):
+  state = trainer.init_state()
+  with snapstore.SnapshotManager(opts(store_dir, interval=3, keep=5)) as mgr:
+    took = [mgr.save(s, state) for s in range(7)]
+    mgr.wait_until_finished()
+    assert took == [True, False, False, True, False, False, True]
+    assert mgr.snapshot_steps() == [0, 3, 6]
+    assert mgr.latest_step() == 6
+
+
+def test_bad_arguments_raise_clear_errors(trainer, store_dir):
+  with pytest.raises(ValueError, match="interval"):
+    snapstore.SnapshotOptions(interval=0)
+  with pytest.raises(ValueError, match="run_id"):
+    snapstore.SnapshotOptions(run_id="../etc")
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    with pytest.raises(ValueError, match="step"):
+      mgr.save(-1, {"a": np.zeros(2)})
+    with pytest.raises(TypeError, match="msgpack"):
+      mgr.save(0, {"a": np.zeros(2)}, extra={"x": object()})
+    with pytest.raises(TypeError, match="unsupported type"):
+      mgr.save(0, {"a": object()})
+    with pytest.raises(snapstore.NothingToRestoreError, match="Nothing was deleted"):
+      mgr.restore({"a": np.zeros(2)})

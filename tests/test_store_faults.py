@@ -1,0 +1,205 @@
+"""Corruption, fencing, budget, mismatches and the Orbax fallback."""
+
+import logging
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import snapstore
+from snapstore._hoststore import host_dir
+from snapstore._manifest import decode, encode
+from snapstore.example import ModelConfig, Trainer
+from tests.helpers import assert_bitwise_equal, host_copy
+
+
+@pytest.fixture(scope="module")
+def trainer():
+  return Trainer(ModelConfig())
+
+
+def opts(store_dir, **kw):
+  return snapstore.SnapshotOptions(store_dir=store_dir, **kw)
+
+
+def train_and_save(trainer, mgr, steps):
+  """Trains ``steps``, saving each; returns host copies per step."""
+  state = trainer.init_state()
+  refs = {}
+  for s in steps:
+    state, _ = trainer.step(state, s)
+    mgr.save(s, state)
+    refs[s] = host_copy(state)
+  mgr.wait_until_finished()
+  return refs
+
+
+def flip_byte(store, step, nth_piece=3):
+  m = decode(store.manifest_path(step).read_bytes())
+  piece = m.pieces[nth_piece]
+  path = store.root / f"slot-{m.slot}.bin"
+  with open(path, "r+b") as f:
+    f.seek(piece.offset + piece.nbytes // 2)
+    b = f.read(1)
+    f.seek(piece.offset + piece.nbytes // 2)
+    f.write(bytes([b[0] ^ 0x40]))
+  return m.leaves[piece.leaf].path
+
+
+def test_flipped_byte_falls_back_to_older_snapshot(trainer, store_dir, caplog):
+  with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
+    refs = train_and_save(trainer, mgr, range(1, 4))
+    leaf = flip_byte(mgr.store, 3)
+    with caplog.at_level(logging.WARNING, logger="snapstore"):
+      result = mgr.restore(trainer.abstract_state())
+  assert result.step == 2 and result.source is snapstore.Source.SNAPSHOT
+  assert result.rewind_steps == 1
+  assert any("step 3" in n and leaf in n for n in result.notes), result.notes
+  assert leaf in caplog.text
+  assert_bitwise_equal(refs[2], result.state)
+
+
+def test_corrupt_snapshots_fall_back_to_orbax(trainer, store_dir, tmp_path):
+  o = opts(store_dir, keep=2, persistent_interval=2)
+  with snapstore.SnapshotManager(o, persistent=tmp_path / "ckpt") as mgr:
+    refs = train_and_save(trainer, mgr, range(1, 6))
+    for s in mgr.snapshot_steps():
+      flip_byte(mgr.store, s)
+    result = mgr.restore(trainer.abstract_state())
+  assert result.source is snapstore.Source.PERSISTENT
+  assert result.step == 4 and result.rewind_steps == 1
+  assert result.bytes_read["persistent"] > 0
+  assert_bitwise_equal(refs[4], result.state)
+
+
+def test_truncated_and_foreign_manifests_are_ignored(trainer, store_dir, caplog):
+  with snapstore.SnapshotManager(opts(store_dir, keep=3)) as mgr:
+    refs = train_and_save(trainer, mgr, range(1, 4))
+    path3 = mgr.store.manifest_path(3)
+    path3.write_bytes(path3.read_bytes()[:100])  # truncated
+    m2 = decode(mgr.store.manifest_path(2).read_bytes())
+    foreign = dataclasses_replace(m2, run_id="another-run")
+    mgr.store.manifest_path(2).write_bytes(encode(foreign))
+    with caplog.at_level(logging.WARNING, logger="snapstore"):
+      result = mgr.restore(trainer.abstract_state())
+  assert result.step == 1
+  assert_bitwise_equal(refs[1], result.state)
+  assert "not valid msgpack" in caplog.text or "malformed" in caplog.text
+  assert "another-run" in caplog.text
+
+
+def dataclasses_replace(m, **kw):
+  import dataclasses
+  return dataclasses.replace(m, **kw)
+
+
+def test_store_of_another_run_is_not_restored(trainer, store_dir):
+  with snapstore.SnapshotManager(opts(store_dir, run_id="a")) as mgr:
+    train_and_save(trainer, mgr, [1])
+  with snapstore.SnapshotManager(opts(store_dir, run_id="b")) as mgr:
+    with pytest.raises(snapstore.NothingToRestoreError):
+      mgr.restore(trainer.abstract_state())
+
+
+def test_newer_incarnation_fences_stale_steps(trainer, store_dir):
+  with snapstore.SnapshotManager(opts(store_dir, keep=5)) as mgr:
+    train_and_save(trainer, mgr, range(1, 6))
+    first = mgr.incarnation
+  with snapstore.SnapshotManager(opts(store_dir, keep=5)) as mgr2:
+    assert mgr2.incarnation == first + 1
+    result = mgr2.restore(trainer.abstract_state(), step=3)
+    state, _ = trainer.step(result.state, 4)
+    mgr2.save(4, state)
+    expected4 = host_copy(state)
+    mgr2.wait_until_finished()
+    # incarnation 1's step 5 is stale now: restore picks incarnation 2's step 4.
+    latest = mgr2.restore(trainer.abstract_state())
+  assert latest.step == 4
+  assert_bitwise_equal(expected4, latest.state)
+
+
+def test_files_are_private(trainer, store_dir):
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    train_and_save(trainer, mgr, [1])
+    root = mgr.store.root
+  assert root.stat().st_mode & 0o777 == 0o700
+  for p in root.iterdir():
+    assert p.stat().st_mode & 0o777 == 0o600, p
+
+
+def test_budget_for_two_snapshots_keeps_at_most_two(trainer, store_dir):
+  state = trainer.init_state()
+  with snapstore.SnapshotManager(opts(store_dir, keep=5)) as probe:
+    probe.save(0, state)
+    probe.wait_until_finished()
+    size = probe.store._slot_bytes
+  shutil.rmtree(store_dir)
+  o = opts(store_dir, keep=5, budget_bytes=2 * size + 100)
+  with snapstore.SnapshotManager(o) as mgr:
+    for s in range(1, 8):
+      state, _ = trainer.step(state, s)
+      mgr.save(s, state)
+      mgr.wait_until_finished()
+      files = list(mgr.store.root.glob("*.manifest"))
+      slots = list(mgr.store.root.glob("slot-*.bin"))
+      assert len(files) <= 2 and len(slots) <= 2
+      assert sum(p.stat().st_size for p in slots) <= o.budget_bytes
+    assert mgr.snapshot_steps()[-1] == 7
+
+
+def test_budget_smaller_than_two_snapshots_is_an_error_at_first_save(trainer, store_dir):
+  state = trainer.init_state()
+  with snapstore.SnapshotManager(opts(store_dir, budget_bytes=4096)) as mgr:
+    with pytest.raises(snapstore.BudgetExceededError, match="raise budget_bytes"):
+      mgr.save(0, state)
+    assert isinstance(snapstore.BudgetExceededError("x"), MemoryError)
+
+
+def test_renamed_leaf_and_wrong_shape_name_the_leaf(trainer, store_dir):
+  state = trainer.init_state()
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr.save(1, state)
+    renamed = trainer.abstract_state()
+    renamed["rng_renamed"] = renamed.pop("rng")
+    with pytest.raises(snapstore.TreeMismatchError) as e:
+      mgr.restore(renamed)
+    assert e.value.leaf in ("rng_renamed", "rng") and "rng" in str(e.value)
+    wrong = trainer.abstract_state()
+    wrong["params"]["head"]["kernel"] = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] + 1, x.shape[1]), x.dtype,
+                                       sharding=x.sharding),
+        wrong["params"]["head"]["kernel"])
+    with pytest.raises(snapstore.TreeMismatchError) as e:
+      mgr.restore(wrong)
+    assert e.value.leaf == "params/head/kernel/value"
+    assert "params/head/kernel" in str(e.value)
+
+
+def test_snapshots_deleted_restore_from_orbax_local(trainer, store_dir, tmp_path):
+  _persistent_fallback(trainer, store_dir, str(tmp_path / "ckpt"))
+
+
+def test_snapshots_deleted_restore_from_orbax_on_gcs_emulator(trainer, store_dir, gcs):
+  _persistent_fallback(trainer, store_dir, gcs.url("fallback"))
+  assert any(name.startswith("fallback/") for name in gcs.list_objects())
+
+
+def _persistent_fallback(trainer, store_dir, path):
+  o = opts(store_dir, keep=2, persistent_interval=5)
+  with snapstore.SnapshotManager(o, persistent=path) as mgr:
+    refs = train_and_save(trainer, mgr, range(1, 8))
+    for p in mgr.store.root.glob("*.manifest"):
+      p.unlink()
+    result = mgr.restore(trainer.abstract_state())
+  assert result.source is snapstore.Source.PERSISTENT
+  assert result.step == 5 and result.rewind_steps == 2
+  assert_bitwise_equal(refs[5], result.state)
+
+
+def test_missing_persistent_step_is_a_clear_error(trainer, store_dir, tmp_path):
+  o = opts(store_dir, persistent_interval=5)
+  with snapstore.SnapshotManager(o, persistent=tmp_path / "ckpt") as mgr:
+    train_and_save(trainer, mgr, range(1, 3))
+    with pytest.raises(snapstore.StepNotFoundError, match="step 9"):
+      mgr.restore(trainer.abstract_state(), step=9)
