@@ -71,14 +71,14 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     on_cpu = all(d.platform == "cpu" for d in arr.sharding.device_set)
     if not on_cpu:
       arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
-    for piece, shard in addressable_pieces(i, arr):
+    for piece, data in addressable_pieces(i, arr):
       cap.pieces.append(piece)
       cap.owners.append(host)
       if on_cpu:
-        view = np.asarray(shard.data)  # blocks until the step computed it.
+        view = np.asarray(data)  # blocks until the step computed it.
         cap.sources.append(lambda v=view: v)
       else:
-        cap.sources.append(lambda s=shard: np.asarray(s.data))
+        cap.sources.append(lambda d=data: np.asarray(d))
   return cap
 
 

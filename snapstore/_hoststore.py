@@ -55,6 +55,8 @@ class HostStore:
     self._slot_bytes = 0
     self._num_slots = 0
     self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+    # path -> ((mtime_ns, size, ino), manifest): decode each file version once.
+    self._decoded: dict[Path, tuple[tuple[int, int, int], Manifest]] = {}
     for d in (self.root.parent.parent, self.root.parent, self.root):
       d.mkdir(mode=0o700, exist_ok=True)
     os.chmod(self.root.parent, 0o700)
@@ -191,7 +193,14 @@ class HostStore:
       if not _MANIFEST_RE.match(path.name):
         continue
       try:
-        m = decode(path.read_bytes(), what=str(path))
+        st = path.stat()
+        version = (st.st_mtime_ns, st.st_size, st.st_ino)
+        cached = self._decoded.get(path)
+        if cached is not None and cached[0] == version:
+          m = cached[1]
+        else:
+          m = decode(path.read_bytes(), what=str(path))
+          self._decoded[path] = (version, m)
       except (errors.CorruptSnapshotError, OSError) as e:
         logger.warning("ignoring %s: %s", path, e)
         continue
@@ -202,7 +211,7 @@ class HostStore:
       if m.host != self.host or int(_MANIFEST_RE.match(path.name).group(1)) != m.step:
         logger.warning("ignoring %s: names host %d step %d", path, m.host, m.step)
         continue
-      if m.slot >= max(self._num_slots, 1) and not self._slot_path(m.slot).exists():
+      if not self._slot_path(m.slot).exists():
         logger.warning("ignoring %s: its slot file is missing", path)
         continue
       out.append(m)

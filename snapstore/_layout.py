@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -153,17 +154,26 @@ def check_compatible(saved: Sequence[LeafSpec], target: Sequence[LeafSpec],
         leaf=extra[0])
 
 
-def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.Shard]]:
-  """Unique addressable shards of ``arr`` (one per distinct global index).
-
-  For a typed key leaf pass ``jax.random.key_data(leaf)``.
-  """
-  shape = tuple(arr.shape)
-  itemsize = np.dtype(arr.dtype).itemsize
-  out: dict[Index, tuple[Piece, jax.Shard]] = {}
-  for shard in sorted(arr.addressable_shards, key=lambda s: s.device.id):
-    idx = normalize_index(shard.index, shape)
+@functools.lru_cache(maxsize=4096)
+def _piece_plan(leaf_idx: int, sharding: jax.sharding.Sharding, shape: tuple[int, ...],
+                itemsize: int) -> tuple[tuple[int, Piece], ...]:
+  """(device id, piece) for one device per distinct index, lowest id first."""
+  out: dict[Index, tuple[int, Piece]] = {}
+  idx_map = sharding.addressable_devices_indices_map(shape)
+  for device in sorted(idx_map, key=lambda d: d.id):
+    idx = normalize_index(idx_map[device], shape)
     if idx not in out:
       n = int(np.prod([b - a for a, b in idx], dtype=np.int64)) * itemsize
-      out[idx] = (Piece(leaf_idx, idx, n), shard)
-  return list(out.values())
+      out[idx] = (device.id, Piece(leaf_idx, idx, n))
+  return tuple(out.values())
+
+
+def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.Array]]:
+  """(piece, single-device data) for each distinct addressable index of ``arr``.
+
+  Replicated shards on this host appear once. For a typed key leaf pass
+  ``jax.random.key_data(leaf)``.
+  """
+  plan = _piece_plan(leaf_idx, arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize)
+  by_device = {s.device.id: s for s in arr.addressable_shards}
+  return [(piece, by_device[dev].data) for dev, piece in plan]

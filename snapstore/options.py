@@ -51,7 +51,7 @@ class SnapshotOptions:
   persistent_interval: int = 0
   busy_policy: BusyPolicy = BusyPolicy.WAIT
   copy_threads: int = 2
-  chunk_bytes: int = 8 << 20
+  chunk_bytes: int = 16 << 20
   replicas: int = 1
   hosts_per_domain: int | None = None
   incarnation: int | None = None

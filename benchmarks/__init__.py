@@ -1,0 +1,1 @@
+"""snapstore benchmarks: each module has ``main(argv)`` and prints JSON."""

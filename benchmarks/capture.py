@@ -1,0 +1,141 @@
+"""Capture and restore throughput of the host store against memcpy, same run.
+
+``python -m benchmarks.capture --mb 256 512``: for each state size, on 8 CPU
+devices (a 2x4 mesh, float32 leaves of ~16 MB sharded over all devices):
+
+* ``memcpy_gbps``: single-thread ``np.copyto`` into a touched, reused buffer;
+* ``save_gbps``: bytes / (time from ``save`` to the snapshot committed), and
+  ``save_return_s``: how long ``save`` itself blocked;
+* ``restore_gbps``: bytes / ``restore`` time (checksums verified, arrays
+  placed on their devices);
+* per-step overhead of ``save`` at interval 1 against the same loop without
+  snapshots, with a step that takes ~10x the copy (a matmul chain).
+
+Ratios to memcpy are the headline: they are measured side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+
+from benchmarks._common import (cleanup, emit, median_seconds, memcpy_bandwidth,
+                                ram_dir, setup_cpu_devices)
+
+
+def make_state(nbytes: int):
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  sharding = NamedSharding(mesh, P(("data", "model")))
+  leaf_elems = min(4 << 20, nbytes // 4)
+  n = max(1, nbytes // (leaf_elems * 4))
+  make = jax.jit(lambda k: jax.random.normal(k, (leaf_elems,), jnp.float32),
+                 out_shardings=sharding)
+  return {f"w{i}": make(jax.random.key(i)) for i in range(n)}, sharding
+
+
+def one_size(mb: int, repeats: int, step_factor: float) -> dict:
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  import snapstore  # noqa: PLC0415
+  state, sharding = make_state(mb << 20)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  memcpy = memcpy_bandwidth(nbytes)
+  store = ram_dir("snapstore-bench-")
+  try:
+    opts = snapstore.SnapshotOptions(store_dir=store, keep=1)
+    with snapstore.SnapshotManager(opts) as mgr:
+      mgr.save(0, state)  # allocates and touches the slots
+      mgr.wait_until_finished()
+      returns, totals = [], []
+      for i in range(1, repeats + 1):
+        t = time.perf_counter()
+        mgr.save(i, state)
+        returns.append(time.perf_counter() - t)
+        mgr.wait_until_finished()
+        totals.append(time.perf_counter() - t)
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                             sharding=x.sharding), state)
+      restore_s = median_seconds(lambda: jax.block_until_ready(mgr.restore(abstract).state),
+                                 repeats)
+
+      # Per-step overhead: a step whose compute takes ~step_ms.
+      w = jax.device_put(jnp.eye(512, dtype=jnp.float32) * 0.999, sharding.mesh and
+                         jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+      x = jax.device_put(jnp.ones((1024, 512), jnp.float32),
+                         jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec("data")))
+
+      def body(state, x, iters):
+        def f(_, y):
+          return jnp.tanh(y @ w)
+        y = jax.lax.fori_loop(0, iters, f, x)
+        return jax.tree.map(lambda a: a + y[0, 0] * 0, state), y
+      iters = 1
+      fn = jax.jit(body, static_argnums=2, donate_argnums=0)
+      state, _ = fn(state, x, iters)
+      jax.block_until_ready(state)
+      save_s = sorted(totals)[len(totals) // 2]
+      step_ms = save_s * 1e3 * step_factor
+      while True:  # calibrate the step to ~step_factor x the copy
+        t = time.perf_counter()
+        state, _ = fn(state, x, iters)
+        jax.block_until_ready(state)
+        if time.perf_counter() - t >= step_ms / 1e3 or iters > 1 << 16:
+          break
+        iters *= 2
+
+      def loop(snap: bool, steps: int = repeats * 2) -> float:
+        nonlocal state
+        t = time.perf_counter()
+        for s in range(steps):
+          state, _ = fn(state, x, iters)
+          if snap:
+            mgr.save(1000 + s, state)
+        jax.block_until_ready(state)
+        mgr.wait_until_finished()
+        return (time.perf_counter() - t) / steps
+      loop(True, 2)
+      plain, snap = [], []
+      for _ in range(3):  # interleave to share the machine's noise
+        plain.append(loop(False))
+        snap.append(loop(True))
+      step_plain, step_snap = min(plain), min(snap)
+  finally:
+    cleanup(store)
+  return {
+      "state_mb": nbytes / 2**20, "leaves": len(state),
+      "memcpy_gbps": memcpy / 1e9,
+      "save_gbps": nbytes / save_s / 1e9, "save_vs_memcpy": nbytes / save_s / memcpy,
+      "save_return_s": sorted(returns)[len(returns) // 2], "save_complete_s": save_s,
+      "restore_gbps": nbytes / restore_s / 1e9, "restore_vs_memcpy": nbytes / restore_s / memcpy,
+      "restore_s": restore_s,
+      "step_s_plain": step_plain, "step_s_snapshot": step_snap,
+      "copy_fraction_of_step": save_s / step_plain,
+      "step_overhead": step_snap / step_plain - 1.0,
+  }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="benchmarks.capture", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--mb", type=int, nargs="+", default=[64, 256, 1024])
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--step-factor", type=float, default=10.0,
+                 help="step compute time as a multiple of the measured copy time")
+  p.add_argument("--out", default="bench-results/capture.json")
+  args = p.parse_args(argv)
+  setup_cpu_devices(8)
+  rows = []
+  for mb in args.mb:
+    rows.append(one_size(mb, args.repeats, args.step_factor))
+  emit("capture", {"sizes": rows}, args.out)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
