@@ -41,8 +41,10 @@ def _overlap(a: Index, b: Index) -> Index | None:
 class Assembler:
   """Builds restored leaves from a plan; caches verified pieces."""
 
-  def __init__(self, plan: StepPlan, read: Reader, *, pool: futures.Executor):
+  def __init__(self, plan: StepPlan, read: Reader, *, pool: futures.Executor,
+               pick: Callable[[Sequence[Copy]], Copy] = lambda cs: cs[0]):
     self.plan = plan
+    self._pick = pick
     self._read = read
     self._pool = pool
     self._verified: dict[tuple[int, Index], np.ndarray] = {}
@@ -54,7 +56,7 @@ class Assembler:
     if cached is not None:
       return cached
     spec = self.plan.specs[leaf]
-    copy = self.plan.copies[(leaf, index)][0]
+    copy = self._pick(self.plan.copies[(leaf, index)])
     raw = self._read(copy)
     if not verify(raw, copy.record.crcs, pool=self._pool,
                   chunk_bytes=self.plan.chunk_bytes):

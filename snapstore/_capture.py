@@ -28,6 +28,7 @@ import numpy as np
 
 from ._hoststore import align
 from ._layout import LeafKind, LeafSpec, Piece, addressable_pieces
+from ._placement import owners, replica_shardings
 
 Source = Callable[[], np.ndarray]
 
@@ -53,8 +54,15 @@ def _bytes_of(x: np.ndarray) -> np.ndarray:
 
 
 def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
-            host: int) -> Capture:
-  """Takes a stable reference to every addressable piece of ``leaves``."""
+            host: int, domains: dict[int, int] | None = None,
+            replicas: int = 0) -> Capture:
+  """Takes a stable reference to every addressable piece of ``leaves``.
+
+  With ``domains`` and ``replicas`` (multi-host), also receives, by a JAX
+  resharding onto a ring-permuted mesh, the replica pieces this host keeps
+  for hosts of other domains. Collective then: every host calls it with the
+  same state.
+  """
   cap = Capture(list(specs), [], [], [], {})
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
     if spec.kind is LeafKind.SCALAR:
@@ -71,15 +79,31 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     on_cpu = all(d.platform == "cpu" for d in arr.sharding.device_set)
     if not on_cpu:
       arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
+    mine = set()
     for piece, data in addressable_pieces(i, arr):
-      cap.pieces.append(piece)
-      cap.owners.append(host)
-      if on_cpu:
-        view = np.asarray(data)  # blocks until the step computed it.
-        cap.sources.append(lambda v=view: v)
-      else:
-        cap.sources.append(lambda d=data: np.asarray(d))
+      mine.add(piece.index)
+      _add(cap, piece, data, host, on_cpu)
+    if domains is None or replicas == 0:
+      continue
+    shardings = replica_shardings(arr.sharding, tuple(arr.shape), domains, replicas)
+    owner_of = owners(arr.sharding, tuple(arr.shape)) if shardings else {}
+    for rs in shardings:  # leaf by leaf: device memory grows by one leaf at most.
+      rep = jax.device_put(arr, rs)
+      for piece, data in addressable_pieces(i, rep):
+        if piece.index not in mine:
+          mine.add(piece.index)
+          _add(cap, piece, data, owner_of[piece.index], on_cpu)
   return cap
+
+
+def _add(cap: Capture, piece: Piece, data: jax.Array, owner: int, on_cpu: bool) -> None:
+  cap.pieces.append(piece)
+  cap.owners.append(owner)
+  if on_cpu:
+    view = np.asarray(data)  # blocks until the step computed it.
+    cap.sources.append(lambda v=view: v)
+  else:
+    cap.sources.append(lambda d=data: np.asarray(d))
 
 
 def layout_offsets(pieces: Sequence[Piece]) -> list[int]:

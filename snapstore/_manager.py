@@ -12,12 +12,15 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from . import _capture, _planner, errors
+import numpy as np
+
+from . import _capture, _exchange, _planner, errors
 from ._assemble import Assembler, BadCopy
 from ._hoststore import HostStore, host_dir
-from ._layout import check_compatible, flatten, tree_digest
+from ._layout import LeafKind, check_compatible, flatten, tree_digest
 from ._manifest import Manifest, PieceRecord, check_extra
-from ._persistent import OrbaxTier
+from ._persistent import OrbaxTier, target_sharding
+from ._placement import host_domains
 from .metrics import RestoreResult, SaveMetrics, Source
 from .options import BusyPolicy, SnapshotOptions
 
@@ -65,6 +68,8 @@ class SnapshotManager:
     self._inflight: futures.Future[None] | None = None
     self._lock = threading.Lock()
     self._closed = False
+    self._domains = (host_domains(jax.devices(), self.options.hosts_per_domain)
+                     if self.num_hosts > 1 else None)
 
   # ------------------------------------------------------------------ save
   def save(self, step: int, state: Any, *, extra: Any = None,
@@ -104,7 +109,8 @@ class SnapshotManager:
       self.metrics.wait_seconds += time.perf_counter() - t
     self._raise_drain_error()
     t0 = time.perf_counter()
-    cap = _capture.capture(specs, leaves, host=self.host)
+    cap = _capture.capture(specs, leaves, host=self.host, domains=self._domains,
+                           replicas=self.options.replicas)
     self.store.plan_slots(cap.nbytes)
     retained = _planner.fence(self.store.manifests())
     slot = self.store.free_slot(retained)
@@ -191,8 +197,11 @@ class SnapshotManager:
     timings: dict[str, float] = {}
     target_specs, targets, treedef = flatten(abstract_state)
     manifests = self.store.manifests()
-    timings["scan"] = time.perf_counter() - t0
     newest = max([self._newest_step] + [m.step for m in manifests])
+    if self.num_hosts > 1:  # collective: every host exchanges its inventory.
+      manifests = _exchange.gather_manifests(manifests)
+      newest = int(_exchange.gather_ints([newest]).max())
+    timings["scan"] = time.perf_counter() - t0
     persistent_steps = self.persistent.committed_steps() if self.persistent else []
     if step is not None and step not in persistent_steps:
       persistent_steps_ok = []
@@ -207,16 +216,31 @@ class SnapshotManager:
       if plan is None or (persistent_steps_ok and persistent_steps_ok[-1] > plan.step):
         break
       check_compatible(plan.specs, target_specs, step=plan.step)
-      assembler = Assembler(plan, self._reader, pool=self._copy_pool)
       t = time.perf_counter()
-      try:
-        leaves = assembler.tree(target_specs, targets)
-      except BadCopy as e:
-        note = f"step {plan.step}: {e}; using another copy or an older step"
-        logger.warning(note)
-        notes.append(note)
-        bad.add(e.key)
-        continue
+      if self.num_hosts > 1:
+        assembler = Assembler(plan, self._reader, pool=self._copy_pool,
+                              pick=self._local_first)
+        new_bad = self._verify_local(plan, assembler)
+        if new_bad:
+          for key in new_bad:
+            note = (f"step {plan.step}: checksum mismatch in leaf "
+                    f"{plan.specs[key[2]].path!r} held by host {key[0]}; "
+                    "using another copy or an older step")
+            logger.warning(note)
+            notes.append(note)
+          bad.update(new_bad)
+          continue
+        leaves = self._assemble_multihost(plan, assembler, target_specs, targets)
+      else:
+        assembler = Assembler(plan, self._reader, pool=self._copy_pool)
+        try:
+          leaves = assembler.tree(target_specs, targets)
+        except BadCopy as e:
+          note = f"step {plan.step}: {e}; using another copy or an older step"
+          logger.warning(note)
+          notes.append(note)
+          bad.add(e.key)
+          continue
       timings["read"] = time.perf_counter() - t
       timings["total"] = time.perf_counter() - t0
       return RestoreResult(
@@ -247,6 +271,55 @@ class SnapshotManager:
         newest_step=max(newest, pstep),
         bytes_read={"persistent": self.persistent.bytes_read - before},
         timings=timings, notes=tuple(notes))
+
+  def _local_first(self, copies: Any) -> _planner.Copy:
+    local = [c for c in copies if c.host == self.host]
+    return local[0] if local else _exchange.chosen_source(copies)
+
+  def _verify_local(self, plan: _planner.StepPlan, assembler: Assembler) -> list[Any]:
+    """Verifies every copy this host holds for ``plan``; collective: returns
+    the bad copies found on any host."""
+    local_bad = []
+    for (leaf, idx), copies in plan.copies.items():
+      if any(c.host == self.host for c in copies):
+        try:
+          assembler.piece(leaf, idx)
+        except BadCopy as e:
+          local_bad.append(e.key)
+    return _exchange.gather_bad(local_bad)
+
+  def _assemble_multihost(self, plan: _planner.StepPlan, assembler: Assembler,
+                          target_specs: Any, targets: Any) -> list[Any]:
+    """Each leaf: cut locally where every host holds what its devices need,
+    else move the pieces with a JAX collective (every host calls this)."""
+    by_path = {s.path: i for i, s in enumerate(plan.specs)}
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    out = []
+    for tspec, target in zip(target_specs, targets):
+      li = by_path[tspec.path]
+      spec = plan.specs[li]
+      if spec.kind is LeafKind.SCALAR:
+        out.append(plan.scalars.get(li))
+        continue
+      want_numpy = _exchange.is_numpy_target(spec, tspec, target)
+      sharding = replicated if want_numpy else target_sharding(target)
+      if _exchange.locally_coverable(plan, li, sharding, spec.shape):
+        out.append(assembler.leaf(li, tspec, target))
+        continue
+      contribution = np.zeros(spec.shape, spec.np_dtype)
+      for idx, copies in plan.leaf_copies(li).items():
+        if _exchange.chosen_source(copies).host == self.host:
+          contribution[tuple(slice(a, b) for a, b in idx)] = assembler.piece(li, idx)
+      arr = _exchange.exchange_leaf(spec, contribution, sharding)
+      if want_numpy:
+        host = np.asarray(arr)
+        out.append(host[()] if isinstance(target, np.generic) else host)
+      elif spec.kind is LeafKind.KEY:
+        out.append(jax.random.wrap_key_data(arr, impl=spec.key_impl))
+      else:
+        out.append(arr)
+    return out
 
   def _reader(self, copy: _planner.Copy) -> Any:
     if copy.host != self.host:

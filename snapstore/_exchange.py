@@ -1,0 +1,115 @@
+"""Multi-host restore: inventories exchanged, missing pieces moved by JAX.
+
+Every call here is collective: all processes of the restarted job call it in
+the same order. Small metadata goes through
+``multihost_utils.process_allgather``; array bytes go through XLA (a jitted
+reduction over a host axis), never through a socket of snapstore's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ._layout import Index, LeafKind, LeafSpec
+from ._manifest import Manifest, decode, encode
+from ._planner import Copy, StepPlan
+
+
+def allgather_bytes(blob: bytes) -> list[bytes]:
+  """Every process's ``blob``, in process order."""
+  n = np.asarray(multihost_utils.process_allgather(np.array([len(blob)], np.int64)))
+  size = int(n.max())
+  buf = np.zeros(max(size, 1), np.uint8)
+  buf[:len(blob)] = np.frombuffer(blob, np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(buf))
+  return [every[i, :int(n[i, 0])].tobytes() for i in range(every.shape[0])]
+
+
+def gather_manifests(local: Sequence[Manifest]) -> list[Manifest]:
+  blobs = allgather_bytes(msgpack.packb([encode(m) for m in local]))
+  out = []
+  for blob in blobs:
+    out.extend(decode(b) for b in msgpack.unpackb(blob))
+  return out
+
+
+def gather_ints(value: Sequence[int]) -> np.ndarray:
+  return np.asarray(multihost_utils.process_allgather(np.asarray(value, np.int64)))
+
+
+def chosen_source(copies: Sequence[Copy]) -> Copy:
+  """The copy every host agrees to use: the owner's own, else the lowest host."""
+  return sorted(copies, key=lambda c: (c.host != c.record.owner, c.host))[0]
+
+
+def locally_coverable(plan: StepPlan, leaf: int, sharding: jax.sharding.Sharding,
+                      shape: tuple[int, ...]) -> bool:
+  """True if every device's target shard can be cut from its own host's copies."""
+  held: dict[int, set[Index]] = {}
+  for (lf, idx), copies in plan.copies.items():
+    if lf == leaf:
+      for c in copies:
+        held.setdefault(c.host, set()).add(idx)
+  for device, idx in sharding.devices_indices_map(shape).items():
+    target = tuple((s.indices(d)[0], s.indices(d)[1]) for s, d in zip(idx, shape))
+    mine = held.get(device.process_index, set())
+    vol = 0
+    for p in mine:
+      ov = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(p, target)]
+      if all(lo < hi for lo, hi in ov):
+        vol += int(np.prod([hi - lo for lo, hi in ov]))
+    if vol != int(np.prod([b - a for a, b in target])):
+      return False
+  return True
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def exchange_leaf(spec: LeafSpec, contribution: np.ndarray,
+                  target: jax.sharding.Sharding) -> jax.Array:
+  """Sums (as unsigned ints: exact, sign of zero kept) each host's full-shape
+  contribution — zeros except the pieces it is the chosen source of — and
+  places the result on ``target``."""
+  uint = _UINT[spec.np_dtype.itemsize]
+  mine = contribution.view(uint)
+  devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+  mesh = Mesh(devices.reshape(jax.process_count(), -1), ("hosts", "local"))
+  g_sharding = NamedSharding(mesh, P("hosts"))
+  local = [jax.device_put(mine[None], d) for d in jax.local_devices()]
+  g = jax.make_array_from_single_device_arrays(
+      (jax.process_count(),) + spec.shape, g_sharding, local)
+  total = jax.jit(lambda x: jnp.sum(x, axis=0, dtype=uint),
+                  out_shardings=NamedSharding(mesh, P()))(g)
+  if spec.np_dtype == np.bool_:
+    full = total != 0
+  else:
+    full = jax.lax.bitcast_convert_type(total, spec.np_dtype) if \
+        spec.np_dtype != uint else total
+  return jax.device_put(full, target)
+
+
+def any_true(flag: bool) -> bool:
+  return bool(gather_ints([int(flag)]).any())
+
+
+def gather_bad(local_bad: Sequence[tuple[int, int, int, Index]]) -> list[Any]:
+  rows = [[h, s, lf, [list(r) for r in idx]] for h, s, lf, idx in local_bad]
+  out = []
+  for blob in allgather_bytes(msgpack.packb(rows)):
+    for h, s, lf, idx in msgpack.unpackb(blob):
+      out.append((h, s, lf, tuple(tuple(r) for r in idx)))
+  return out
+
+
+def is_numpy_target(spec: LeafSpec, target_spec: LeafSpec, target: Any) -> bool:
+  return target_spec.kind is LeafKind.NUMPY or (
+      spec.kind is LeafKind.NUMPY and getattr(target, "sharding", None) is None)

@@ -1,0 +1,96 @@
+"""Failure domains and where replica shards go.
+
+A failure domain is a set of hosts that fail together: ``device.slice_index``
+where devices carry it, else ``host // hosts_per_domain``, else one domain per
+host. Replicas are placed by a ring over domains: replica ``r`` of the shard
+on host ``h`` (position ``p`` in domain ``k``) lives on the host at position
+``p`` of domain ``(k + r) % D``, on the device with the same local position.
+The move is a permutation of the mesh's devices, so JAX carries the bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ._layout import normalize_index
+
+
+def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) -> dict[int, int]:
+  """process index -> failure domain."""
+  out: dict[int, int] = {}
+  for d in devices:
+    slice_index = getattr(d, "slice_index", None)
+    if slice_index is not None:
+      out[d.process_index] = int(slice_index)
+    elif hosts_per_domain:
+      out[d.process_index] = d.process_index // hosts_per_domain
+    else:
+      out[d.process_index] = d.process_index
+  return out
+
+
+def _device_ring(devices: Sequence[jax.Device], domains: dict[int, int],
+                 shift: int) -> dict[jax.Device, jax.Device]:
+  by_domain: dict[int, list[int]] = collections.defaultdict(list)
+  for h in sorted(domains):
+    by_domain[domains[h]].append(h)
+  keys = sorted(by_domain)
+  sizes = {len(v) for v in by_domain.values()}
+  if len(sizes) != 1:
+    raise ValueError(f"failure domains have different sizes: "
+                     f"{ {k: len(v) for k, v in by_domain.items()} }")
+  local: dict[int, list[jax.Device]] = collections.defaultdict(list)
+  for d in sorted(devices, key=lambda d: d.id):
+    local[d.process_index].append(d)
+  out = {}
+  for h, k in domains.items():
+    pos = by_domain[k].index(h)
+    peer = by_domain[keys[(keys.index(k) + shift) % len(keys)]][pos]
+    for i, d in enumerate(local[h]):
+      out[d] = local[peer][i]
+  return out
+
+
+def replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
+                      domains: dict[int, int], replicas: int) -> list[NamedSharding]:
+  """Shardings whose devices hold each shard's replicas in other domains.
+
+  Returns [] when every shard already has ``replicas`` twins in other
+  domains (data parallelism across domains), or when the sharding is not a
+  NamedSharding spanning several domains.
+  """
+  if replicas == 0 or not isinstance(sharding, NamedSharding):
+    return []
+  num_domains = len(set(domains.values()))
+  if num_domains < 2 or len({domains[d.process_index] for d in sharding.device_set}) < 2:
+    return []
+  idx_map = sharding.devices_indices_map(shape)
+  holders: dict[tuple, set[int]] = collections.defaultdict(set)
+  for d, idx in idx_map.items():
+    holders[normalize_index(idx, shape)].add(domains[d.process_index])
+  if all(len(v) >= min(replicas + 1, num_domains) for v in holders.values()):
+    return []
+  mesh = sharding.mesh
+  out = []
+  for r in range(1, min(replicas, num_domains - 1) + 1):
+    ring = _device_ring(list(mesh.devices.flat), domains, r)
+    # Device ring[d] must hold what d holds: place ring[d] where d was.
+    devices = np.vectorize(lambda d: ring[d], otypes=[object])(mesh.devices)
+    out.append(NamedSharding(Mesh(devices, mesh.axis_names,
+                                  axis_types=mesh.axis_types), sharding.spec,
+                             memory_kind=sharding.memory_kind))
+  return out
+
+
+def owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[tuple, int]:
+  """global index -> lowest process index holding it in ``sharding``."""
+  out: dict[tuple, int] = {}
+  for d, idx in sharding.devices_indices_map(shape).items():
+    key = normalize_index(idx, shape)
+    out[key] = min(out.get(key, d.process_index), d.process_index)
+  return out
