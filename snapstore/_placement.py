@@ -1,8 +1,8 @@
 """Failure domains and where replica shards go.
 
-A failure domain is a set of hosts that fail together: ``device.slice_index``
-where devices carry it, else ``host // hosts_per_domain``, else one domain per
-host. Replicas are placed by a ring over domains: replica ``r`` of the shard
+A failure domain is a set of hosts that fail together: ``host //
+hosts_per_domain`` where configured, else ``device.slice_index`` where devices
+span several slices, else one domain per host. Replicas are placed by a ring over domains: replica ``r`` of the shard
 on host ``h`` (position ``p`` in domain ``k``) lives on the host at position
 ``p`` of domain ``(k + r) % D``, on the device with the same local position.
 The move is a permutation of the mesh's devices, so JAX carries the bytes.
@@ -21,17 +21,18 @@ from ._layout import normalize_index
 
 
 def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) -> dict[int, int]:
-  """process index -> failure domain."""
-  out: dict[int, int] = {}
-  for d in devices:
-    slice_index = getattr(d, "slice_index", None)
-    if slice_index is not None:
-      out[d.process_index] = int(slice_index)
-    elif hosts_per_domain:
-      out[d.process_index] = d.process_index // hosts_per_domain
-    else:
-      out[d.process_index] = d.process_index
-  return out
+  """process index -> failure domain.
+
+  ``hosts_per_domain`` (configured) wins; else ``device.slice_index`` when the
+  devices span several slices (CPU devices report slice 0 everywhere); else
+  one domain per host.
+  """
+  if hosts_per_domain:
+    return {d.process_index: d.process_index // hosts_per_domain for d in devices}
+  slices = {d.process_index: getattr(d, "slice_index", None) for d in devices}
+  if None not in slices.values() and len(set(slices.values())) > 1:
+    return {h: int(s) for h, s in slices.items()}
+  return {d.process_index: d.process_index for d in devices}
 
 
 def _device_ring(devices: Sequence[jax.Device], domains: dict[int, int],

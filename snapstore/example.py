@@ -98,8 +98,8 @@ class Trainer:
         lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
         self._params_host, self._param_shardings)
     opt = jax.jit(self.tx.init, out_shardings=self.opt_shardings(params))(params)
-    rng = jax.device_put(jax.random.key(self.cfg.seed + 1),
-                         NamedSharding(self.mesh, P()))
+    rng = jax.jit(lambda: jax.random.key(self.cfg.seed + 1),
+                  out_shardings=NamedSharding(self.mesh, P()))()
     return {"params": params, "opt": opt, "rng": rng}
 
   def opt_shardings(self, params: Any) -> Any:

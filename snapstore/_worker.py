@@ -1,0 +1,85 @@
+"""One host of a multi-process training job (run by ``snapstore.launch``).
+
+``python -m snapstore._worker --steps N --out DIR --store DIR --run-id R
+[--persistent PATH --checkpoint-every K] [--hosts-per-domain H] [--replicas R]``
+
+Restores from the freshest snapshot (or Orbax) if there is one, trains to
+step N with a snapshot every step, and writes ``DIR/inc<i>-host<h>.json``:
+the restore result, the loss of each step and a digest of the global state
+after each step (for bitwise comparison with an uninterrupted run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import jax
+
+
+def main() -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--steps", type=int, required=True)
+  p.add_argument("--out", required=True)
+  p.add_argument("--store", required=True)
+  p.add_argument("--run-id", default="job")
+  p.add_argument("--persistent", default=None)
+  p.add_argument("--checkpoint-every", type=int, default=0)
+  p.add_argument("--hosts-per-domain", type=int, default=None)
+  p.add_argument("--replicas", type=int, default=1)
+  p.add_argument("--snapshots", type=int, default=1, help="0: GCS-only baseline")
+  a = p.parse_args()
+  env = os.environ
+  host, num_hosts = int(env["SNAPSTORE_HOST"]), int(env["SNAPSTORE_NUM_HOSTS"])
+  inc = int(env["SNAPSTORE_INCARNATION"])
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", int(env["SNAPSTORE_DEVICES_PER_HOST"]))
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
+                             heartbeat_timeout_seconds=10)
+  import numpy as np  # noqa: PLC0415
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  import snapstore  # noqa: PLC0415
+  from snapstore.example import ModelConfig, Trainer  # noqa: PLC0415
+
+  trainer = Trainer(ModelConfig())
+
+  def digest(state) -> str:
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(state):
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+      h.update(np.asarray(multihost_utils.process_allgather(x, tiled=True)).tobytes())
+    return h.hexdigest()
+
+  opts = snapstore.SnapshotOptions(
+      interval=1 if a.snapshots else 10**9, keep=2, store_dir=a.store, run_id=a.run_id,
+      persistent_interval=a.checkpoint_every, replicas=a.replicas,
+      hosts_per_domain=a.hosts_per_domain, incarnation=inc)
+  report = {"host": host, "incarnation": inc, "losses": {}, "digests": {}}
+  out = Path(a.out) / f"inc{inc}-host{host}.json"
+  with snapstore.SnapshotManager(opts, persistent=a.persistent) as mgr:
+    try:
+      r = mgr.restore(trainer.abstract_state())
+      state, start = r.state, r.step + 1
+      report["restore"] = r.summary()
+      report["digests"][r.step] = digest(state)
+    except snapstore.NothingToRestoreError:
+      state, start = trainer.init_state(), 1
+    for s in range(start, a.steps + 1):
+      state, loss = trainer.step(state, s)
+      report["losses"][s] = float(loss)
+      mgr.save(s, state)
+      report["digests"][s] = digest(state)
+      out.write_text(json.dumps(report))
+    mgr.wait_until_finished()
+  out.write_text(json.dumps(report))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
