@@ -97,10 +97,6 @@ def exchange_leaf(spec: LeafSpec, contribution: np.ndarray,
   return jax.device_put(full, target)
 
 
-def any_true(flag: bool) -> bool:
-  return bool(gather_ints([int(flag)]).any())
-
-
 def gather_bad(local_bad: Sequence[tuple[int, int, int, Index]]) -> list[Any]:
   rows = [[h, s, lf, [list(r) for r in idx]] for h, s, lf, idx in local_bad]
   out = []

@@ -217,12 +217,6 @@ class HostStore:
       out.append(m)
     return sorted(out, key=lambda m: (m.step, m.incarnation))
 
-  def retain(self, keep: int) -> None:
-    """Deletes all but the newest ``keep`` manifests (never the newest)."""
-    ms = self.manifests()
-    for m in ms[:-max(keep, 1)]:
-      self.delete(m.step, f"retention keeps {keep}")
-
   # ------------------------------------------------------------- progress
   def write_progress(self, step: int, incarnation: int) -> None:
     write_atomic(self.root / "PROGRESS",

@@ -203,10 +203,7 @@ class SnapshotManager:
       newest = int(_exchange.gather_ints([newest]).max())
     timings["scan"] = time.perf_counter() - t0
     persistent_steps = self.persistent.committed_steps() if self.persistent else []
-    if step is not None and step not in persistent_steps:
-      persistent_steps_ok = []
-    else:
-      persistent_steps_ok = [s for s in persistent_steps if step is None or s == step]
+    persistent_steps_ok = [s for s in persistent_steps if step is None or s == step]
     notes: list[str] = []
     bad: set[_planner.CopyKey] = set()
     while True:
