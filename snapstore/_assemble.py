@@ -86,28 +86,42 @@ class Assembler:
     spec = self.plan.specs[leaf]
     if spec.kind is LeafKind.SCALAR:
       return self.plan.scalars.get(leaf)
-    full = tuple((0, d) for d in spec.shape)
-    want_numpy = target_spec.kind is LeafKind.NUMPY or (
-        spec.kind is LeafKind.NUMPY and getattr(target, "sharding", None) is None)
-    if want_numpy:
-      arr, fresh = self.region(leaf, full)
-      arr = arr if fresh else np.array(arr, copy=True)
-      return arr[()] if isinstance(target, np.generic) else arr
-    sharding = target_sharding(target)
-    idx_map = sharding.addressable_devices_indices_map(spec.shape)
-    by_index: dict[Index, np.ndarray] = {}
-    bufs = []
-    for device, idx in idx_map.items():
-      nidx = tuple((s.indices(d)[0], s.indices(d)[1]) for s, d in
-                   zip(idx, spec.shape)) if idx is not None else full
-      if nidx not in by_index:
-        by_index[nidx] = self.region(leaf, nidx)[0]
-      bufs.append(jax.device_put(by_index[nidx], device, may_alias=False))
-    arr = jax.make_array_from_single_device_arrays(spec.shape, sharding, bufs)
-    if spec.kind is LeafKind.KEY:
-      arr = jax.random.wrap_key_data(arr, impl=spec.key_impl)
-    return arr
+    return build_leaf(spec, target_spec, target, lambda idx: self.region(leaf, idx))
 
   def tree(self, target_specs: Sequence[LeafSpec], targets: Sequence[Any]) -> list[Any]:
     by_path = {s.path: i for i, s in enumerate(self.plan.specs)}
     return [self.leaf(by_path[t.path], t, tgt) for t, tgt in zip(target_specs, targets)]
+
+
+# Returns (array of the global region ``index``, whether it is a fresh buffer).
+Region = Callable[[Index], tuple[np.ndarray, bool]]
+
+
+def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Region) -> Any:
+  """One restored leaf in the target's layout, cut region by region."""
+  full = tuple((0, d) for d in spec.shape)
+  want_numpy = target_spec.kind is LeafKind.NUMPY or (
+      spec.kind is LeafKind.NUMPY and getattr(target, "sharding", None) is None)
+  if want_numpy:
+    arr, fresh = region(full)
+    arr = arr if fresh else np.array(arr, copy=True)
+    return arr[()] if isinstance(target, np.generic) else arr
+  sharding = target_sharding(target)
+  idx_map = sharding.addressable_devices_indices_map(spec.shape)
+  by_index: dict[Index, np.ndarray] = {}
+  bufs = []
+  for device, idx in idx_map.items():
+    nidx = tuple((s.indices(d)[0], s.indices(d)[1]) for s, d in
+                 zip(idx, spec.shape)) if idx is not None else full
+    if nidx not in by_index:
+      by_index[nidx] = region(nidx)[0]
+    bufs.append(jax.device_put(by_index[nidx], device, may_alias=False))
+  arr = jax.make_array_from_single_device_arrays(spec.shape, sharding, bufs)
+  if spec.kind is LeafKind.KEY:
+    arr = jax.random.wrap_key_data(arr, impl=spec.key_impl)
+  return arr
+
+
+def full_region(full: np.ndarray) -> Region:
+  """A Region over one complete host array."""
+  return lambda idx: (full[tuple(slice(a, b) for a, b in idx)], False)

@@ -26,6 +26,7 @@ import crc32c
 import jax
 import numpy as np
 
+from . import _faults
 from ._hoststore import align
 from ._layout import LeafKind, LeafSpec, Piece, addressable_pieces
 from ._placement import owners, replica_shardings
@@ -55,7 +56,7 @@ def _bytes_of(x: np.ndarray) -> np.ndarray:
 
 def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
             host: int, domains: dict[int, int] | None = None,
-            replicas: int = 0) -> Capture:
+            replicas: int = 0, step: int = -1) -> Capture:
   """Takes a stable reference to every addressable piece of ``leaves``.
 
   With ``domains`` and ``replicas`` (multi-host), also receives, by a JAX
@@ -64,7 +65,10 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   same state.
   """
   cap = Capture(list(specs), [], [], [], {})
+  middle = len(specs) // 2
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+    if i == middle:
+      _faults.point("capture", step)
     if spec.kind is LeafKind.SCALAR:
       cap.scalars[i] = leaf
       continue
@@ -89,6 +93,8 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     owner_of = owners(arr.sharding, tuple(arr.shape)) if shardings else {}
     for rs in shardings:  # leaf by leaf: device memory grows by one leaf at most.
       rep = jax.device_put(arr, rs)
+      if i >= middle:
+        _faults.point("replica", step)
       for piece, data in addressable_pieces(i, rep):
         if piece.index not in mine:
           mine.add(piece.index)

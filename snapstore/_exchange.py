@@ -71,30 +71,51 @@ def locally_coverable(plan: StepPlan, leaf: int, sharding: jax.sharding.Sharding
   return True
 
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+BATCH_BYTES = 64 << 20
 
 
-def exchange_leaf(spec: LeafSpec, contribution: np.ndarray,
-                  target: jax.sharding.Sharding) -> jax.Array:
-  """Sums (as unsigned ints: exact, sign of zero kept) each host's full-shape
-  contribution — zeros except the pieces it is the chosen source of — and
-  places the result on ``target``."""
-  uint = _UINT[spec.np_dtype.itemsize]
-  mine = contribution.view(uint)
+def _sum_over_hosts(x: jax.Array) -> jax.Array:
+  return jnp.sum(x, axis=0, dtype=jnp.uint8)
+
+
+def sum_bytes(contribution: np.ndarray) -> np.ndarray:
+  """Sums every process's flat uint8 ``contribution`` (same length
+  everywhere) and returns the total on every process.
+
+  Callers give each byte a non-zero value on at most one process, so the sum
+  is that byte, exact. The bytes travel by one jitted reduction over a
+  ``(hosts, local)`` mesh; the result is sharded over the local devices, so
+  each process holds it once.
+  """
   devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
   mesh = Mesh(devices.reshape(jax.process_count(), -1), ("hosts", "local"))
-  g_sharding = NamedSharding(mesh, P("hosts"))
-  local = [jax.device_put(mine[None], d) for d in jax.local_devices()]
+  n_local = mesh.shape["local"]
+  size = contribution.size
+  padded = -(-max(size, 1) // n_local) * n_local
+  mine = np.zeros(padded, np.uint8)
+  mine[:size] = contribution
+  per = padded // n_local
+  local = sorted(jax.local_devices(), key=lambda d: d.id)
+  parts = [jax.device_put(mine[None, j * per:(j + 1) * per], d) for j, d in enumerate(local)]
   g = jax.make_array_from_single_device_arrays(
-      (jax.process_count(),) + spec.shape, g_sharding, local)
-  total = jax.jit(lambda x: jnp.sum(x, axis=0, dtype=uint),
-                  out_shardings=NamedSharding(mesh, P()))(g)
-  if spec.np_dtype == np.bool_:
-    full = total != 0
-  else:
-    full = jax.lax.bitcast_convert_type(total, spec.np_dtype) if \
-        spec.np_dtype != uint else total
-  return jax.device_put(full, target)
+      (jax.process_count(), padded), NamedSharding(mesh, P("hosts", "local")), parts)
+  total = jax.jit(_sum_over_hosts, out_shardings=NamedSharding(mesh, P("local")))(g)
+  shards = sorted(total.addressable_shards, key=lambda sh: sh.index[0].start or 0)
+  return np.concatenate([np.asarray(sh.data) for sh in shards])[:size]
+
+
+def batches(sizes: Sequence[int], limit: int = BATCH_BYTES) -> list[list[int]]:
+  """Groups item positions into runs of at most ``limit`` bytes (an item
+  larger than ``limit`` gets a batch of its own)."""
+  out: list[list[int]] = []
+  used = limit
+  for i, n in enumerate(sizes):
+    if used + n > limit or not out:
+      out.append([])
+      used = 0
+    out[-1].append(i)
+    used += n
+  return out
 
 
 def gather_bad(local_bad: Sequence[tuple[int, int, int, Index]]) -> list[Any]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from . import errors
+from . import _faults, errors
 from ._manifest import Manifest, decode, encode, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class HostStore:
       d.mkdir(mode=0o700, exist_ok=True)
     os.chmod(self.root.parent, 0o700)
     os.chmod(self.root, 0o700)
+    for tmp in self.root.glob("*.tmp.*"):  # a writer died before its rename.
+      logger.info("removing %s: an interrupted write", tmp)
+      tmp.unlink(missing_ok=True)
 
   # ---------------------------------------------------------------- slots
   @property
@@ -171,7 +174,8 @@ class HostStore:
     return self.root / f"step-{step:010d}.manifest"
 
   def commit(self, manifest: Manifest) -> None:
-    write_atomic(self.manifest_path(manifest.step), encode(manifest))
+    write_atomic(self.manifest_path(manifest.step), encode(manifest),
+                 before_rename=lambda: _faults.point("manifest", manifest.step))
 
   def delete(self, step: int, reason: str) -> None:
     logger.debug("host %d: deleting snapshot of step %d (%s)", self.host, step, reason)
@@ -224,8 +228,14 @@ class HostStore:
 
   def read_progress(self) -> tuple[int, int]:
     """(newest step asked to save, its incarnation); (-1, -1) if none."""
-    try:
-      doc = msgpack.unpackb((self.root / "PROGRESS").read_bytes()[:4096], raw=False)
-      return int(doc["step"]), int(doc["incarnation"])
-    except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException):
-      return -1, -1
+    return read_progress(self.root)
+
+
+def read_progress(root: os.PathLike[str] | str) -> tuple[int, int]:
+  """A host store's PROGRESS: (newest step asked to save, its incarnation),
+  (-1, -1) if absent or unreadable. Reads only; safe from another process."""
+  try:
+    doc = msgpack.unpackb((Path(root) / "PROGRESS").read_bytes()[:4096], raw=False)
+    return int(doc["step"]), int(doc["incarnation"])
+  except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException):
+    return -1, -1

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -14,17 +16,20 @@ import orbax.checkpoint as ocp
 
 import numpy as np
 
-from . import _capture, _exchange, _planner, errors
-from ._assemble import Assembler, BadCopy
-from ._hoststore import HostStore, host_dir
+from . import _capture, _exchange, _faults, _planner, errors
+from ._assemble import Assembler, BadCopy, build_leaf, full_region
+from ._hoststore import HostStore, align, host_dir
 from ._layout import LeafKind, check_compatible, flatten, tree_digest
-from ._manifest import Manifest, PieceRecord, check_extra
+from ._manifest import Manifest, PieceRecord, check_extra, write_atomic
 from ._persistent import OrbaxTier, target_sharding
 from ._placement import host_domains
 from .metrics import RestoreResult, SaveMetrics, Source
 from .options import BusyPolicy, SnapshotOptions
 
 logger = logging.getLogger(__name__)
+
+REPORT_DIR_ENV = "SNAPSTORE_REPORT_DIR"
+INCARNATION_ENV = "SNAPSTORE_INCARNATION"
 
 
 class SnapshotManager:
@@ -57,9 +62,14 @@ class SnapshotManager:
     else:
       self.persistent = OrbaxTier(persistent)
     prev_step, prev_inc = self.store.read_progress()
-    seen = [m.incarnation for m in self.store.manifests()] + [prev_inc]
-    self.incarnation = (self.options.incarnation if self.options.incarnation
-                        is not None else max(seen) + 1)
+    self.incarnation = self.options.incarnation
+    if self.incarnation is None and os.environ.get(INCARNATION_ENV, "").isdigit():
+      self.incarnation = int(os.environ[INCARNATION_ENV])
+    if self.incarnation is None:
+      seen = [m.incarnation for m in self.store.manifests()] + [prev_inc]
+      self.incarnation = max(seen) + 1
+      if self.num_hosts > 1:  # a replaced host starts empty: agree on the max.
+        self.incarnation = int(_exchange.gather_ints([self.incarnation]).max())
     self._newest_step = prev_step
     self.metrics = SaveMetrics()
     self._copy_pool = futures.ThreadPoolExecutor(
@@ -110,7 +120,7 @@ class SnapshotManager:
     self._raise_drain_error()
     t0 = time.perf_counter()
     cap = _capture.capture(specs, leaves, host=self.host, domains=self._domains,
-                           replicas=self.options.replicas)
+                           replicas=self.options.replicas, step=step)
     self.store.plan_slots(cap.nbytes)
     retained = _planner.fence(self.store.manifests())
     slot = self.store.free_slot(retained)
@@ -206,6 +216,7 @@ class SnapshotManager:
     persistent_steps_ok = [s for s in persistent_steps if step is None or s == step]
     notes: list[str] = []
     bad: set[_planner.CopyKey] = set()
+    self._bytes_exchanged = 0
     while True:
       t = time.perf_counter()
       plan = _planner.choose(manifests, step=step, bad=bad, prefer_host=self.host)
@@ -230,6 +241,7 @@ class SnapshotManager:
         leaves = self._assemble_multihost(plan, assembler, target_specs, targets)
       else:
         assembler = Assembler(plan, self._reader, pool=self._copy_pool)
+        _faults.point("restore", plan.step)
         try:
           leaves = assembler.tree(target_specs, targets)
         except BadCopy as e:
@@ -240,11 +252,13 @@ class SnapshotManager:
           continue
       timings["read"] = time.perf_counter() - t
       timings["total"] = time.perf_counter() - t0
-      return RestoreResult(
+      read = {"snapshot": assembler.bytes_read}
+      if self.num_hosts > 1:
+        read["exchanged"] = self._bytes_exchanged
+      return self._report(RestoreResult(
           step=plan.step, state=jax.tree_util.tree_unflatten(treedef, leaves),
           extra=plan.extra, source=Source.SNAPSHOT, rewind_steps=newest - plan.step,
-          newest_step=newest, bytes_read={"snapshot": assembler.bytes_read},
-          timings=timings, notes=tuple(notes))
+          newest_step=newest, bytes_read=read, timings=timings, notes=tuple(notes)))
     if not persistent_steps_ok:
       where = self.persistent.directory if self.persistent else "no persistent tier"
       what = f"step {step}" if step is not None else "any step"
@@ -262,12 +276,22 @@ class SnapshotManager:
     leaves, extra = self.persistent.restore(pstep, target_specs, targets)
     timings["read"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t0
-    return RestoreResult(
+    return self._report(RestoreResult(
         step=pstep, state=jax.tree_util.tree_unflatten(treedef, leaves), extra=extra,
         source=Source.PERSISTENT, rewind_steps=max(newest, pstep) - pstep,
         newest_step=max(newest, pstep),
         bytes_read={"persistent": self.persistent.bytes_read - before},
-        timings=timings, notes=tuple(notes))
+        timings=timings, notes=tuple(notes)))
+
+  def _report(self, result: RestoreResult) -> RestoreResult:
+    """Under ``snapstore launch`` (``SNAPSTORE_REPORT_DIR`` set), host 0
+    writes the restore summary for the supervisor's incarnation report."""
+    where = os.environ.get(REPORT_DIR_ENV)
+    if where and self.host == 0:
+      doc = dict(result.summary(), incarnation=self.incarnation, time=time.time())
+      write_atomic(Path(where) / f"restore-inc{self.incarnation}.json",
+                   json.dumps(doc).encode())
+    return result
 
   def _local_first(self, copies: Any) -> _planner.Copy:
     local = [c for c in copies if c.host == self.host]
@@ -288,34 +312,48 @@ class SnapshotManager:
   def _assemble_multihost(self, plan: _planner.StepPlan, assembler: Assembler,
                           target_specs: Any, targets: Any) -> list[Any]:
     """Each leaf: cut locally where every host holds what its devices need,
-    else move the pieces with a JAX collective (every host calls this)."""
+    else move the pieces with batched JAX reductions (every host calls this)."""
     by_path = {s.path: i for i, s in enumerate(plan.specs)}
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    out = []
-    for tspec, target in zip(target_specs, targets):
+    out: list[Any] = [None] * len(target_specs)
+    moved: list[int] = []  # positions in target_specs whose pieces must travel
+    for pos, (tspec, target) in enumerate(zip(target_specs, targets)):
       li = by_path[tspec.path]
       spec = plan.specs[li]
       if spec.kind is LeafKind.SCALAR:
-        out.append(plan.scalars.get(li))
+        out[pos] = plan.scalars.get(li)
         continue
-      want_numpy = _exchange.is_numpy_target(spec, tspec, target)
-      sharding = replicated if want_numpy else target_sharding(target)
+      sharding = (replicated if _exchange.is_numpy_target(spec, tspec, target)
+                  else target_sharding(target))
       if _exchange.locally_coverable(plan, li, sharding, spec.shape):
-        out.append(assembler.leaf(li, tspec, target))
-        continue
-      contribution = np.zeros(spec.shape, spec.np_dtype)
-      for idx, copies in plan.leaf_copies(li).items():
-        if _exchange.chosen_source(copies).host == self.host:
-          contribution[tuple(slice(a, b) for a, b in idx)] = assembler.piece(li, idx)
-      arr = _exchange.exchange_leaf(spec, contribution, sharding)
-      if want_numpy:
-        host = np.asarray(arr)
-        out.append(host[()] if isinstance(target, np.generic) else host)
-      elif spec.kind is LeafKind.KEY:
-        out.append(jax.random.wrap_key_data(arr, impl=spec.key_impl))
+        out[pos] = assembler.leaf(li, tspec, target)
       else:
-        out.append(arr)
+        moved.append(pos)
+      if pos == len(target_specs) // 2:
+        _faults.point("restore", plan.step)
+    sizes = [align(plan.specs[by_path[target_specs[p].path]].nbytes) for p in moved]
+    groups = _exchange.batches(sizes)
+    width = max((sum(sizes[i] for i in g) for g in groups), default=0)
+    for group in groups:  # the same groups, in the same order, on every host.
+      buf = np.zeros(width, np.uint8)
+      offsets, off = [], 0
+      for i in group:
+        li = by_path[target_specs[moved[i]].path]
+        spec = plan.specs[li]
+        offsets.append(off)
+        leaf = buf[off: off + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
+        for idx, copies in plan.leaf_copies(li).items():
+          if _exchange.chosen_source(copies).host == self.host:
+            leaf[tuple(slice(a, b) for a, b in idx)] = assembler.piece(li, idx)
+        off += sizes[i]
+      total = _exchange.sum_bytes(buf)
+      self._bytes_exchanged += total.nbytes
+      for i, at in zip(group, offsets):
+        pos = moved[i]
+        spec = plan.specs[by_path[target_specs[pos].path]]
+        full = total[at: at + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
+        out[pos] = build_leaf(spec, target_specs[pos], targets[pos], full_region(full))
     return out
 
   def _reader(self, copy: _planner.Copy) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -162,7 +162,8 @@ def _from_doc(doc: Any) -> Manifest:
       extra=doc.get("extra"), created=float(created))
 
 
-def write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
+def write_atomic(path: os.PathLike[str] | str, data: bytes, *,
+                 before_rename: Callable[[], None] | None = None) -> None:
   """Writes ``data`` to ``path`` via a 0600 temp file and a rename."""
   tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
   fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -172,4 +173,6 @@ def write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
       view = view[os.write(fd, view):]
   finally:
     os.close(fd)
+  if before_rename is not None:
+    before_rename()
   os.replace(tmp, path)

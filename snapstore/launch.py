@@ -4,19 +4,23 @@
 ``jax.distributed`` on CPU (gloo collectives, ``devices_per_host`` devices
 each). When any process dies, the others are killed and the whole job
 restarts as a new incarnation — what the JAX coordination service forces on a
-real multi-controller job. Faults are injected from outside, for real:
-``Kill(host, step)`` sends SIGKILL when that host's store reports the step
-(its ``PROGRESS`` file); ``lose_store=True`` also wipes the host's RAM store,
-modelling a replaced machine.
+real multi-controller job. Faults are real SIGKILLs: ``Kill(host, step)``
+is sent by the supervisor when that host's store reports the step (its
+``PROGRESS`` file); ``Kill(host, step, phase=...)`` arms a fault point in the
+library so the process kills itself inside capture, replica transfer,
+manifest write or restore; ``lose_store=True`` also wipes the host's RAM
+store, modelling a replaced machine.
 
 Each process gets its identity from the environment: ``SNAPSTORE_COORDINATOR``,
 ``SNAPSTORE_NUM_HOSTS``, ``SNAPSTORE_HOST``, ``SNAPSTORE_INCARNATION``,
-``SNAPSTORE_DEVICES_PER_HOST``.
+``SNAPSTORE_DEVICES_PER_HOST``; ``SNAPSTORE_REPORT_DIR`` is where host 0's
+``SnapshotManager.restore`` leaves its summary for the incarnation report.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -25,26 +29,43 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from ._hoststore import HostStore, host_dir
+from . import _faults
+from ._hoststore import host_dir, read_progress
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class Kill:
-  """SIGKILL ``host`` once it reports ``step`` (in incarnation ``incarnation``)."""
+  """SIGKILL ``host`` in incarnation ``incarnation`` once it reaches ``step``.
+
+  ``phase`` None: the supervisor kills it when its store's PROGRESS reports
+  ``step`` (it is then in that step's save or the next train step). A phase
+  (``capture``, ``replica``, ``manifest``, ``restore``; see ``_faults``): the
+  process SIGKILLs itself at that point of that step. Kills of one
+  incarnation at the same step fire together. ``lose_store`` also wipes the
+  host's RAM store (a replaced machine).
+  """
 
   host: int
   step: int
   incarnation: int = 0
   lose_store: bool = False
+  phase: str | None = None
+
+  def __post_init__(self) -> None:
+    if self.phase is not None and self.phase not in _faults.PHASES:
+      raise ValueError(f"unknown phase {self.phase!r}; one of {_faults.PHASES}")
 
 
 @dataclasses.dataclass
 class Incarnation:
+  """One run of the whole job, as the supervisor saw it."""
+
   number: int
   num_hosts: int
   started: float
@@ -52,10 +73,21 @@ class Incarnation:
   exit_codes: dict[int, int] = dataclasses.field(default_factory=dict)
   killed: list[int] = dataclasses.field(default_factory=list)
   kill_time: float | None = None
+  restore: dict[str, Any] | None = None  # host 0's RestoreResult.summary()
 
   @property
   def ok(self) -> bool:
     return bool(self.exit_codes) and all(c == 0 for c in self.exit_codes.values())
+
+  @property
+  def failure(self) -> str | None:
+    bad = {h: c for h, c in self.exit_codes.items() if c != 0 and h not in self.killed}
+    if self.killed:
+      return f"SIGKILL host {sorted(self.killed)}"
+    return f"exit codes {bad}" if bad else None
+
+  def as_dict(self) -> dict[str, Any]:
+    return dict(dataclasses.asdict(self), ok=self.ok, failure=self.failure)
 
 
 def _free_port() -> int:
@@ -68,49 +100,67 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
            store_dir: str | os.PathLike[str], run_id: str, kills: Sequence[Kill] = (),
            shrink_to: int | None = None, max_incarnations: int = 3,
            timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
-           env: dict[str, str] | None = None) -> list[Incarnation]:
+           env: dict[str, str] | None = None,
+           between: Callable[[Incarnation], None] | None = None,
+           on_start: Callable[[Incarnation], None] | None = None) -> list[Incarnation]:
   """Runs ``python -m module args`` on ``num_hosts`` local processes until all
-  exit 0, restarting after failures. ``shrink_to`` restarts with fewer hosts."""
+  exit 0, restarting the whole job after a failure.
+
+  ``shrink_to`` restarts with fewer hosts (the first ``shrink_to`` stores are
+  kept). ``between(inc)`` runs after a failed incarnation, before the next
+  (tests use it to damage stores). Raises ``RuntimeError`` if the job still
+  fails after ``max_incarnations``, ``TimeoutError`` past ``timeout_s``.
+  """
   out: list[Incarnation] = []
   hosts = num_hosts
   deadline = time.monotonic() + timeout_s
+  report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
+  report_dir.mkdir(parents=True, exist_ok=True)
   for number in range(max_incarnations):
     port = _free_port()
     inc = Incarnation(number, hosts, time.time())
     out.append(inc)
+    report = report_dir / f"restore-inc{number}.json"
+    report.unlink(missing_ok=True)
+    pending = [k for k in kills if k.incarnation == number and k.host < hosts]
+    armed = {k.host: k for k in pending if k.phase is not None}
     procs = {}
     for h in range(hosts):
       penv = dict(os.environ, **(env or {}))
       penv.update(SNAPSTORE_COORDINATOR=f"127.0.0.1:{port}", SNAPSTORE_NUM_HOSTS=str(hosts),
                   SNAPSTORE_HOST=str(h), SNAPSTORE_INCARNATION=str(number),
-                  SNAPSTORE_DEVICES_PER_HOST=str(devices_per_host))
+                  SNAPSTORE_DEVICES_PER_HOST=str(devices_per_host),
+                  SNAPSTORE_REPORT_DIR=str(report_dir))
+      penv.pop(_faults.ENV, None)
+      if h in armed:
+        penv[_faults.ENV] = f"{armed[h].phase}@{armed[h].step}"
       log = (open(Path(log_dir) / f"inc{number}-host{h}.log", "wb")
              if log_dir else subprocess.DEVNULL)
       procs[h] = subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
                                   stdout=log, stderr=subprocess.STDOUT)
-    pending = [k for k in kills if k.incarnation == number]
-    stores = {h: HostStore(host_dir(store_dir, run_id, h), run_id=run_id, host=h,
-                           keep=1, budget_bytes=None) for h in range(hosts)}
+    if on_start is not None:
+      on_start(inc)
     failed = False
     while procs.keys() - inc.exit_codes.keys():
       if time.monotonic() > deadline:
         for p in procs.values():
           p.kill()
         raise TimeoutError(f"job did not finish in {timeout_s} s (incarnation {number})")
-      for k in list(pending):
-        if k.host < hosts and stores[k.host].read_progress()[0] >= k.step:
+      due = [k for k in pending if k.phase is None and
+             read_progress(host_dir(store_dir, run_id, k.host))[0] >= k.step]
+      if due:  # kills at the same step fire together.
+        step = min(k.step for k in due)
+        for k in [k for k in pending if k.phase is None and k.step == step]:
           procs[k.host].send_signal(signal.SIGKILL)
-          inc.killed.append(k.host)
-          inc.kill_time = time.time()
+          _record_kill(inc, k, store_dir, run_id)
           pending.remove(k)
-          logger.info("incarnation %d: SIGKILL host %d at step %d", number, k.host, k.step)
-          if k.lose_store:
-            shutil.rmtree(host_dir(store_dir, run_id, k.host), ignore_errors=True)
       for h, p in procs.items():
         if h not in inc.exit_codes and p.poll() is not None:
           inc.exit_codes[h] = p.returncode
           if p.returncode != 0:
             failed = True
+          if h in armed and p.returncode == -signal.SIGKILL:
+            _record_kill(inc, armed.pop(h), store_dir, run_id)
       if failed:  # the coordination service would abort the rest: do it now.
         for h, p in procs.items():
           if p.poll() is None:
@@ -119,8 +169,23 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
         break
       time.sleep(0.02)
     inc.ended = time.time()
+    if report.exists():
+      inc.restore = json.loads(report.read_text())
     if not failed:
       return out
+    if between is not None:
+      between(inc)
     if shrink_to:
       hosts = shrink_to
-  raise RuntimeError(f"job still failing after {max_incarnations} incarnations")
+  raise RuntimeError(f"job still failing after {max_incarnations} incarnations; "
+                     f"logs: {log_dir or 'pass log_dir'}")
+
+
+def _record_kill(inc: Incarnation, k: Kill, store_dir: str | os.PathLike[str],
+                 run_id: str) -> None:
+  inc.killed.append(k.host)
+  inc.kill_time = inc.kill_time or time.time()
+  logger.info("incarnation %d: SIGKILL host %d at step %d%s", inc.number, k.host, k.step,
+              f" ({k.phase})" if k.phase else "")
+  if k.lose_store:
+    shutil.rmtree(host_dir(store_dir, run_id, k.host), ignore_errors=True)

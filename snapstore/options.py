@@ -39,8 +39,9 @@ class SnapshotOptions:
     replicas: copies of each shard kept in other failure domains (multi-host).
     hosts_per_domain: hosts that fail together, where devices carry no
       ``slice_index`` (``None``: one domain per host).
-    incarnation: this process's incarnation; ``None`` derives it from the
-      store (one more than the newest seen).
+    incarnation: this job's incarnation (restart count); ``None`` takes
+      ``$SNAPSTORE_INCARNATION`` (set by ``snapstore launch``), else one more
+      than the newest in the stores (agreed across hosts).
   """
 
   interval: int = 1

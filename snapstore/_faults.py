@@ -1,0 +1,47 @@
+"""Fault points: a process SIGKILLs itself at a named phase of a given step.
+
+Armed only by the environment, which ``snapstore.launch`` sets for the host
+and incarnation a ``Kill(phase=...)`` names::
+
+  SNAPSTORE_FAULT=<phase>@<step>     e.g. manifest@6
+
+Phases: ``capture`` (half the leaves captured), ``replica`` (a replica
+transfer dispatched, not awaited), ``manifest`` (the data and the manifest's
+temp file written, not renamed), ``restore`` (a plan chosen, half the leaves
+assembled). The kill is a real SIGKILL of the calling process: no handler, no
+flush, no cleanup runs, exactly as when a host dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("capture", "replica", "manifest", "restore")
+ENV = "SNAPSTORE_FAULT"
+
+
+def parse(value: str | None) -> tuple[str, int] | None:
+  if not value:
+    return None
+  phase, _, step = value.partition("@")
+  if phase not in PHASES or not step.lstrip("-").isdigit():
+    raise ValueError(f"{ENV}={value!r}: expected <phase>@<step>, phase one of {PHASES}")
+  return phase, int(step)
+
+
+_ARMED = parse(os.environ.get(ENV))
+
+
+def point(phase: str, step: int) -> None:
+  """SIGKILLs this process if the environment armed ``phase`` at ``step``
+  (``step`` -1 in the environment matches any step)."""
+  if _ARMED is None or _ARMED[0] != phase or _ARMED[1] not in (step, -1):
+    return
+  sys.stderr.write(f"snapstore fault point: SIGKILL at {phase} of step {step}\n")
+  sys.stderr.flush()
+  os.kill(os.getpid(), signal.SIGKILL)
