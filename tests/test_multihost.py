@@ -88,3 +88,116 @@ def test_killed_host_replaced_with_empty_store_restores_from_replicas(
   assert r["rewind_steps"] <= 1
   assert job.incs[-1].restore["step"] == r["step"]  # the supervisor's report
   assert r["bytes_read"]["exchanged"] > 0  # host 1's shards came over the wire
+
+
+def test_job_shrinks_to_the_surviving_domain(reference, tmp_path, cache_dir):
+  """Host 3 dies and the job comes back on hosts 0 and 1 only (a 2x2 mesh
+  instead of 2x4): domain 0 holds its own shards and domain 1's replicas."""
+  kill_step = random.Random(99).randint(5, STEPS - 1)
+  job = Job(tmp_path, cache_dir, "shrink").run(
+      [Kill(host=3, step=kill_step, lose_store=True)], args=["--hosts-per-domain", "2"],
+      shrink_to=2)
+  assert [i.num_hosts for i in job.incs] == [4, 2] and job.incs[-1].ok
+  r = job.report["restore"]
+  assert r["source"] == "snapshot" and kill_step - 1 <= r["step"] <= kill_step
+  step = str(r["step"])
+  assert job.report["digests"][step] == reference["digests"][step]
+  # The smaller mesh reduces in another order, so later losses are compared
+  # to float tolerance, not bitwise.
+  later = range(r["step"] + 1, STEPS + 1)
+  np.testing.assert_allclose([job.report["losses"][str(s)] for s in later],
+                             [reference["losses"][str(s)] for s in later], rtol=1e-5)
+
+
+@pytest.mark.parametrize("phase", ["capture", "replica", "manifest"])
+def test_kill_inside_a_snapshot_never_restores_a_partial_one(
+    phase, reference, tmp_path, cache_dir):
+  kill_step = 5
+  job = Job(tmp_path, cache_dir, phase).run(
+      [Kill(host=1, step=kill_step, phase=phase)], args=["--hosts-per-domain", "2"])
+  assert [i.killed for i in job.incs] == [[1], []]
+  if phase == "manifest":
+    # Host 1's data and temp manifest were written; its replica on host 3
+    # may have committed step 5 before the job was torn down: either step
+    # is complete and checksum-valid.
+    check_resumed(job.report, reference, lo=kill_step - 1, hi=kill_step)
+  else:
+    # Host 1 never captured (or never sent) the rest of step 5: the
+    # previous complete step is chosen.
+    check_resumed(job.report, reference, lo=kill_step - 1, hi=kill_step - 1)
+
+
+def test_kill_during_restore_then_restore_again(reference, tmp_path, cache_dir):
+  job = Job(tmp_path, cache_dir, "restore").run(
+      [Kill(host=1, step=5), Kill(host=2, step=-1, incarnation=1, phase="restore")],
+      args=["--hosts-per-domain", "2"])
+  assert [i.killed for i in job.incs] == [[1], [2], []]
+  r = check_resumed(job.report, reference, lo=4, hi=5)
+  # The interrupted restore deleted nothing: the retry picks the same step
+  # (host 0 may have finished its part, and reported, before host 2 died).
+  if job.incs[1].restore is not None:
+    assert job.incs[1].restore["step"] == r["step"]
+
+
+def test_both_copies_lost_falls_back_to_orbax(reference, tmp_path, cache_dir):
+  """Hosts 0 and 2 (different domains, each other's replica) die together."""
+  job = Job(tmp_path, cache_dir, "orbax")
+  job.run([Kill(host=0, step=5, lose_store=True), Kill(host=2, step=5, lose_store=True)],
+          args=["--hosts-per-domain", "2", "--persistent", str(tmp_path / "ckpt"),
+                "--checkpoint-every", "2"])
+  assert sorted(job.incs[0].killed) == [0, 2]
+  r = check_resumed(job.report, reference, lo=2, hi=4, source="persistent")
+  assert r["step"] % 2 == 0
+  assert any("persistent tier" in n for n in r["notes"])
+
+
+def test_two_replicas_survive_two_lost_domains(reference, tmp_path, cache_dir):
+  """4 domains of one host, replicas=2: hosts 0 and 1 die with their stores;
+  host 0's shards survive on host 2, host 1's on host 3."""
+  job = Job(tmp_path, cache_dir, "rep2").run(
+      [Kill(host=0, step=5, lose_store=True), Kill(host=1, step=5, lose_store=True)],
+      args=["--hosts-per-domain", "1", "--replicas", "2"])
+  assert sorted(job.incs[0].killed) == [0, 1]
+  check_resumed(job.report, reference, lo=4, hi=5)
+
+
+def _manifests(store, host):
+  root = host_dir(store, "job", host)
+  return {int(p.name[5:15]): decode(p.read_bytes())
+          for p in root.glob("step-*.manifest")}
+
+
+def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_dir):
+  """Host 1 is replaced by a machine whose RAM disk holds a store of an
+  earlier run (run id 'old'), and host 3's copy of host 1's shards at the
+  newest common step has a flipped byte: the step before it is restored."""
+  import dataclasses
+  from snapstore._manifest import encode
+  seen = {}
+
+  def damage(inc):
+    if inc.number != 0:
+      return
+    job_store = job.store
+    held = [_manifests(job_store, h) for h in (0, 2, 3)]
+    common = sorted(set.intersection(*[set(m) for m in held]))
+    newest, seen["expected"] = common[-1], common[-2]
+    m3 = held[2][newest]
+    rec = next(p for p in m3.pieces if p.owner == 1)
+    slot = host_dir(job_store, "job", 3) / f"slot-{m3.slot}.bin"
+    with open(slot, "r+b") as f:
+      f.seek(rec.offset)
+      b = f.read(1)
+      f.seek(rec.offset)
+      f.write(bytes([b[0] ^ 0xFF]))
+    stale = host_dir(job_store, "job", 1)
+    shutil.copytree(host_dir(job_store, "job", 0), stale, dirs_exist_ok=True)
+    for step, m in _manifests(job_store, 0).items():
+      (stale / f"step-{step:010d}.manifest").write_bytes(
+          encode(dataclasses.replace(m, run_id="old", host=1)))
+
+  job = Job(tmp_path, cache_dir, "corrupt")
+  job.run([Kill(host=1, step=6, lose_store=True)], args=["--hosts-per-domain", "2"],
+          between=damage)
+  r = check_resumed(job.report, reference, lo=seen["expected"], hi=seen["expected"])
+  assert any("checksum mismatch" in n and "host 3" in n for n in r["notes"]), r["notes"]
