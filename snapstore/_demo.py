@@ -1,8 +1,12 @@
-"""``snapstore demo``: lose the live state at a step, recover from the RAM snapshot
-and, side by side, from the Orbax checkpoint on (emulated) GCS only.
+"""``snapstore demo``: SIGKILL one host of a 4-process job, recover from RAM
+snapshots, and side by side from Orbax checkpoints on (emulated) GCS only.
 
-Single process, 8 CPU devices (a 2x4 mesh). Both recoveries continue to the
-same final step and must end bitwise equal to each other.
+Both runs are real multi-process jobs (``snapstore launch``: 4 hosts x 2 CPU
+devices, ``jax.distributed`` with gloo, 2 failure domains). The killed host is
+replaced by an empty one (its RAM store is wiped). The snapshot run restores
+its shards from the replicas in the other domain; the GCS-only run restores
+the last Orbax checkpoint and recomputes from there. Both continue to the
+same final step and must end with bitwise equal global states.
 """
 
 from __future__ import annotations
@@ -12,135 +16,154 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-from . import SnapshotManager, SnapshotOptions, Source
-from .example import ModelConfig, Trainer
+from ._hoststore import host_dir, read_progress
+from .launch import Incarnation, Kill, launch
+
+HOSTS, DEVICES_PER_HOST, KILLED_HOST = 4, 2, 1
+Progress = Callable[[str, int], None]
 
 
-def _timed_steps(trainer: Trainer, state: Any, steps: range, mgr: SnapshotManager | None,
-                 timeline: list[tuple[str, int, float]], run: str, t0: float,
-                 progress: Any) -> tuple[Any, list[float]]:
-  times = []
-  for s in steps:
-    t = time.perf_counter()
-    state, loss = trainer.step(state, s)
-    loss.block_until_ready()
-    if mgr is not None:
-      mgr.save(s, state)
-    times.append(time.perf_counter() - t)
-    timeline.append((run, s, time.perf_counter() - t0))
-    progress(run, s)
-  return state, times
+def _run(name: str, *, work: Path, persistent: str, snapshots: bool, kill_step: int,
+         checkpoint_every: int, total_steps: int, env: dict[str, str],
+         progress: Progress) -> dict[str, Any]:
+  out = work / name
+  out.mkdir()
+  store = work / f"store-{name}"
+  done = threading.Event()
+
+  def poll() -> None:  # progress from host 0's store, while the job runs.
+    while not done.wait(0.3):
+      progress(name, max(read_progress(host_dir(store, "demo", 0))[0], 0))
+
+  watcher = threading.Thread(target=poll, daemon=True)
+  watcher.start()
+  try:
+    incs = launch("snapstore._worker",
+                  ["--steps", str(total_steps), "--out", str(out), "--store", str(store),
+                   "--run-id", "demo", "--persistent", persistent,
+                   "--checkpoint-every", str(checkpoint_every), "--hosts-per-domain", "2",
+                   "--snapshots", "1" if snapshots else "0", "--no-digest-restore"],
+                  num_hosts=HOSTS, devices_per_host=DEVICES_PER_HOST, store_dir=store,
+                  run_id="demo", kills=[Kill(KILLED_HOST, kill_step, lose_store=True)],
+                  timeout_s=600, log_dir=out, env=env)
+  finally:
+    done.set()
+    watcher.join()
+    shutil.rmtree(store, ignore_errors=True)
+  progress(name, total_steps)
+  return _summarize(incs, out, kill_step)
 
 
-def run_demo(*, kill_step: int = 37, checkpoint_every: int = 20, total_steps: int = 50,
+def _summarize(incs: list[Incarnation], out: Path, kill_step: int) -> dict[str, Any]:
+  if len(incs) != 2 or not incs[1].ok:
+    raise RuntimeError(f"expected one failure and one clean restart, got "
+                       f"{[i.as_dict() for i in incs]}; logs in {out}")
+  first, second = incs
+  before = json.loads((out / "inc0-host0.json").read_text())
+  after = json.loads((out / "inc1-host0.json").read_text())
+  r = after["restore"]
+  times = {int(k): v for k, v in after["times"].items()}
+  kill_t = first.kill_time
+  phases = {
+      "detection_s": first.ended - kill_t,       # supervisor sees the death, tears down
+      "restart_s": after["restore_start"] - first.ended,  # processes, jax init, model
+      "restore_s": after["restore_end"] - after["restore_start"],
+      "recompute_s": times[kill_step] - after["restore_end"],  # replay to the kill step
+  }
+  phases["kill_to_first_new_step_s"] = times[kill_step + 1] - kill_t
+  return {
+      "restored_step": r["step"], "source": r["source"], "rewind_steps": r["rewind_steps"],
+      **phases,
+      "bytes_read_gcs": r["bytes_read"].get("persistent", 0),
+      "bytes_read_ram": r["bytes_read"].get("snapshot", 0),
+      "bytes_exchanged": r["bytes_read"].get("exchanged", 0),
+      "restore_timings": r["timings"], "notes": r["notes"],
+      "step_s": _median_step(before, kill_step),
+      "final_digest": after["digests"][str(max(int(k) for k in after["digests"]))],
+      "timeline": {"start": first.started, "kill": kill_t,
+                   "restart": second.started,
+                   "before": sorted((int(s), t) for s, t in before["times"].items()),
+                   "after": sorted(times.items())},
+  }
+
+
+def _median_step(report: dict[str, Any], kill_step: int) -> float:
+  """Median step interval before the failure, past the first (compiling) steps."""
+  t = [report["times"][str(s)] for s in range(3, kill_step) if str(s) in report["times"]]
+  return float(np.median(np.diff(t))) if len(t) > 2 else float("nan")
+
+
+def run_demo(*, kill_step: int = 37, checkpoint_every: int = 20, total_steps: int = 45,
              persistent_dir: str | None = None, report: str = "demo-report.json",
-             plot: str = "demo-timeline.png", progress=lambda run, s: None) -> dict[str, Any]:
+             plot: str = "demo-timeline.png",
+             progress: Progress = lambda run, s: None) -> dict[str, Any]:
   if not 0 < kill_step < total_steps:
     raise ValueError(f"need 0 < kill_step ({kill_step}) < total_steps ({total_steps})")
+  if kill_step % checkpoint_every == 0:
+    raise ValueError(f"kill_step {kill_step} is a checkpoint step; pick another")
   from .gcs_emulator import GcsEmulator  # noqa: PLC0415
   with contextlib.ExitStack() as stack:
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+    work = Path(tempfile.mkdtemp(prefix="snapstore-demo-", dir=base))
+    stack.callback(shutil.rmtree, work, ignore_errors=True)
+    env = {"JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     if persistent_dir is None:
       gcs = stack.enter_context(GcsEmulator(bucket="ckpt"))
-      ckpt = gcs.url(f"demo-{os.getpid()}")
+      env.update(gcs.env())
+      where = lambda run: gcs.url(f"demo-{os.getpid()}-{run}")  # noqa: E731
     else:
-      ckpt = str(Path(persistent_dir).absolute())
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-    store = Path(tempfile.mkdtemp(prefix="snapstore-demo-", dir=base))
-    stack.callback(shutil.rmtree, store, ignore_errors=True)
-    trainer = Trainer(ModelConfig(dim=64, layers=2, seq=32, batch=16))
-    opts = SnapshotOptions(interval=1, keep=2, persistent_interval=checkpoint_every,
-                           store_dir=store, run_id="demo")
-    timeline: list[tuple[str, int, float]] = []
-    t0 = time.perf_counter()
-
-    # Warm-up (compilation) outside the measured loop.
-    state = trainer.init_state()
-    state, _ = trainer.step(state, 0)
-    state = trainer.init_state()
-
-    # Before the failure: snapshots every step, Orbax every checkpoint_every.
-    mgr = stack.enter_context(SnapshotManager(opts, persistent=ckpt))
-    state, snap_times = _timed_steps(trainer, state, range(1, kill_step + 1), mgr,
-                                     timeline, "before", t0, progress)
-    mgr.wait_until_finished()
-    t_fail = time.perf_counter() - t0
-    del state  # the failure: the live state is gone.
-
-    results = {}
-    finals = {}
-    for run, use_snapshots in (("snapstore", True), ("gcs-only", False)):
-      t = time.perf_counter()
-      t0_run = t - t_fail  # both recoveries start at the failure on the plot
-      if use_snapshots:
-        r = mgr.restore(trainer.abstract_state())
-      else:
-        with SnapshotManager(SnapshotOptions(store_dir=store, run_id="demo-empty"),
-                             persistent=ckpt) as gcs_only:
-          r = gcs_only.restore(trainer.abstract_state())
-      restore_s = time.perf_counter() - t
-      t = time.perf_counter()
-      state, _ = _timed_steps(trainer, r.state, range(r.step + 1, kill_step + 1), None,
-                              timeline, run, t0_run, progress)
-      recompute_s = time.perf_counter() - t
-      state, plain_times = _timed_steps(trainer, state, range(kill_step + 1, total_steps + 1),
-                                        None, timeline, run, t0_run, progress)
-      finals[run] = jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if
-                                 jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-                                 else x), state)
-      results[run] = {
-          "restored_step": r.step, "source": r.source.value,
-          "rewind_steps": kill_step - r.step, "restore_s": restore_s,
-          "recompute_s": recompute_s, "recovery_s": restore_s + recompute_s,
-          "bytes_read_gcs": r.bytes_read.get("persistent", 0) if persistent_dir is None else 0,
-          "bytes_read_ram": r.bytes_read.get("snapshot", 0),
-          "timings": r.timings, "notes": list(r.notes),
-      }
-      if run == "gcs-only":
-        step_plain = float(np.median(plain_times))
-    equal = all(np.array_equal(a, b) for a, b in zip(
-        jax.tree.leaves(finals["snapstore"]), jax.tree.leaves(finals["gcs-only"])))
-    step_snap = float(np.median(snap_times))
-    out = {
-        "kill_step": kill_step, "checkpoint_every": checkpoint_every,
-        "total_steps": total_steps, "persistent": ckpt, "failure_at_s": t_fail,
-        "runs": results, "final_states_equal": bool(equal),
-        "step_s_with_snapshots": step_snap, "step_s_without": step_plain,
-        "snapshot_overhead": step_snap / step_plain - 1.0,
-        "state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(finals["snapstore"]))),
-        "devices": jax.device_count(),
-    }
-    Path(report).write_text(json.dumps(out, indent=2))
-    _plot(timeline, kill_step, results, plot)
-    out["report"], out["plot"] = str(Path(report).absolute()), str(Path(plot).absolute())
-    return out
+      where = lambda run: str(Path(persistent_dir, run).absolute())  # noqa: E731
+    runs = {}
+    for name, snapshots in (("snapstore", True), ("gcs-only", False)):
+      runs[name] = _run(name, work=work, persistent=where(name), snapshots=snapshots,
+                        kill_step=kill_step, checkpoint_every=checkpoint_every,
+                        total_steps=total_steps, env=env, progress=progress)
+  snap, plain = runs["snapstore"]["step_s"], runs["gcs-only"]["step_s"]
+  out = {
+      "hosts": HOSTS, "devices_per_host": DEVICES_PER_HOST, "killed_host": KILLED_HOST,
+      "kill_step": kill_step, "checkpoint_every": checkpoint_every,
+      "total_steps": total_steps,
+      "persistent": "gcs-emulator" if persistent_dir is None else persistent_dir,
+      "runs": runs,
+      "final_states_equal": runs["snapstore"]["final_digest"] == runs["gcs-only"]["final_digest"],
+      "step_s_with_snapshots": snap, "step_s_without": plain,
+      "snapshot_overhead": snap / plain - 1.0,
+  }
+  Path(report).write_text(json.dumps(out, indent=2))
+  _plot(runs, kill_step, plot)
+  out["report"], out["plot"] = str(Path(report).absolute()), str(Path(plot).absolute())
+  return out
 
 
-def _plot(timeline: list[tuple[str, int, float]], kill_step: int,
-          results: dict[str, Any], path: str) -> None:
+def _plot(runs: dict[str, Any], kill_step: int, path: str) -> None:
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   fig, ax = plt.subplots(figsize=(8, 4))
-  for run, color, label in (
-      ("before", "black", "training (snapshot every step)"),
-      ("snapstore", "tab:green",
-       f"snapstore: restored step {results['snapstore']['restored_step']}"),
-      ("gcs-only", "tab:red",
-       f"GCS-only: restored step {results['gcs-only']['restored_step']}")):
-    pts = [(t, s) for r, s, t in timeline if r == run]
-    ax.plot([t for t, _ in pts], [s for _, s in pts], ".", ms=3, color=color,
-            label=label)
-  ax.axhline(kill_step, ls="--", color="grey", lw=0.8, label=f"failure at step {kill_step}")
-  ax.set_xlabel("wall time (s)")
+  for (name, run), color in zip(runs.items(), ("tab:green", "tab:red")):
+    tl = run["timeline"]
+    t0 = tl["start"]
+    for part, style in (("before", "."), ("after", "x")):
+      pts = tl[part]
+      ax.plot([t - t0 for _, t in pts], [s for s, _ in pts], style, ms=3, color=color,
+              label=(f"{name}: restored step {run['restored_step']} ({run['source']}), "
+                     f"rewind {run['rewind_steps']}") if part == "after" else None)
+    ax.axvline(tl["kill"] - t0, color=color, ls=":", lw=0.8)
+    ax.axvline(tl["restart"] - t0, color=color, ls="--", lw=0.8)
+  ax.axhline(kill_step, ls="--", color="grey", lw=0.8,
+             label=f"SIGKILL host {KILLED_HOST} at step {kill_step}")
+  ax.set_xlabel("wall time since job start (s); dotted: kill, dashed: restart")
   ax.set_ylabel("step")
-  ax.legend()
+  ax.legend(loc="lower right", fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

@@ -17,12 +17,14 @@ import argparse
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import jax
 
 
 def main() -> int:
+  started = time.time()
   p = argparse.ArgumentParser()
   p.add_argument("--steps", type=int, required=True)
   p.add_argument("--out", required=True)
@@ -33,6 +35,8 @@ def main() -> int:
   p.add_argument("--hosts-per-domain", type=int, default=None)
   p.add_argument("--replicas", type=int, default=1)
   p.add_argument("--snapshots", type=int, default=1, help="0: GCS-only baseline")
+  p.add_argument("--digest-restore", action=argparse.BooleanOptionalAction, default=True,
+                 help="global state digest of the restored step")
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
   a = p.parse_args()
@@ -64,20 +68,25 @@ def main() -> int:
       interval=1 if a.snapshots else 10**9, keep=2, store_dir=a.store, run_id=a.run_id,
       persistent_interval=a.checkpoint_every, replicas=a.replicas,
       hosts_per_domain=a.hosts_per_domain)
-  report = {"host": host, "incarnation": inc, "losses": {}, "digests": {}}
+  report = {"host": host, "incarnation": inc, "losses": {}, "digests": {}, "times": {},
+            "started": started}
   out = Path(a.out) / f"inc{inc}-host{host}.json"
   with snapstore.SnapshotManager(opts, persistent=a.persistent) as mgr:
+    report["restore_start"] = time.time()
     try:
       r = mgr.restore(trainer.abstract_state())
       state, start = r.state, r.step + 1
       report["restore"] = r.summary()
-      report["digests"][r.step] = digest(state)
+      report["restore_end"] = time.time()
+      if a.digest_restore:
+        report["digests"][r.step] = digest(state)
     except snapstore.NothingToRestoreError:
       state, start = trainer.init_state(), 1
     for s in range(start, a.steps + 1):
       state, loss = trainer.step(state, s)
       report["losses"][s] = float(loss)
       mgr.save(s, state)
+      report["times"][s] = time.time()
       if a.digest_every_step or s == a.steps:
         report["digests"][s] = digest(state)
       out.write_text(json.dumps(report))
