@@ -53,3 +53,43 @@ def emit(name: str, result: dict[str, Any], out: str | None) -> None:
 
 def cleanup(path: Path) -> None:
   shutil.rmtree(path, ignore_errors=True)
+
+
+def make_state(nbytes: int):
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  sharding = NamedSharding(mesh, P(("data", "model")))
+  leaf_elems = min(4 << 20, nbytes // 4)
+  n = max(1, nbytes // (leaf_elems * 4))
+  make = jax.jit(lambda k: jax.random.normal(k, (leaf_elems,), jnp.float32),
+                 out_shardings=sharding)
+  return {f"w{i}": make(jax.random.key(i)) for i in range(n)}, sharding
+
+
+def calibrated_step(state: Any, sharding: Any, seconds: float) -> tuple[Any, Any, int]:
+  """A jitted, donating step ``fn(state, x, iters) -> (state, y)`` whose
+  compute (a tanh-matmul chain) takes about ``seconds``; touches every leaf."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  w = jax.device_put(jnp.eye(512, dtype=jnp.float32) * 0.999, NamedSharding(sharding.mesh, P()))
+  x = jax.device_put(jnp.ones((1024, 512), jnp.float32), NamedSharding(sharding.mesh, P("data")))
+
+  def body(state, x, iters):
+    y = jax.lax.fori_loop(0, iters, lambda _, y: jnp.tanh(y @ w), x)
+    return jax.tree.map(lambda a: a + y[0, 0] * 0, state), y
+  fn = jax.jit(body, static_argnums=2, donate_argnums=0)
+  state = jax.tree.map(lambda a: a.copy(), state)  # the caller's state stays intact
+  iters = 1
+  while True:
+    state, _ = fn(state, x, iters)
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    state, _ = fn(state, x, iters)
+    jax.block_until_ready(state)
+    if time.perf_counter() - t >= seconds or iters > 1 << 16:
+      return fn, x, iters
+    iters *= 2

@@ -20,27 +20,12 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from benchmarks._common import (cleanup, emit, median_seconds, memcpy_bandwidth,
-                                ram_dir, setup_cpu_devices)
-
-
-def make_state(nbytes: int):
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  mesh = jax.make_mesh((2, 4), ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  sharding = NamedSharding(mesh, P(("data", "model")))
-  leaf_elems = min(4 << 20, nbytes // 4)
-  n = max(1, nbytes // (leaf_elems * 4))
-  make = jax.jit(lambda k: jax.random.normal(k, (leaf_elems,), jnp.float32),
-                 out_shardings=sharding)
-  return {f"w{i}": make(jax.random.key(i)) for i in range(n)}, sharding
+from benchmarks._common import (calibrated_step, cleanup, emit, make_state, median_seconds,
+                                memcpy_bandwidth, ram_dir, setup_cpu_devices)
 
 
 def one_size(mb: int, repeats: int, step_factor: float) -> dict:
   import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
 
   import snapstore  # noqa: PLC0415
   state, sharding = make_state(mb << 20)
@@ -64,30 +49,9 @@ def one_size(mb: int, repeats: int, step_factor: float) -> dict:
       restore_s = median_seconds(lambda: jax.block_until_ready(mgr.restore(abstract).state),
                                  repeats)
 
-      # Per-step overhead: a step whose compute takes ~step_ms.
-      w = jax.device_put(jnp.eye(512, dtype=jnp.float32) * 0.999, sharding.mesh and
-                         jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
-      x = jax.device_put(jnp.ones((1024, 512), jnp.float32),
-                         jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec("data")))
-
-      def body(state, x, iters):
-        def f(_, y):
-          return jnp.tanh(y @ w)
-        y = jax.lax.fori_loop(0, iters, f, x)
-        return jax.tree.map(lambda a: a + y[0, 0] * 0, state), y
-      iters = 1
-      fn = jax.jit(body, static_argnums=2, donate_argnums=0)
-      state, _ = fn(state, x, iters)
-      jax.block_until_ready(state)
       save_s = sorted(totals)[len(totals) // 2]
-      step_ms = save_s * 1e3 * step_factor
-      while True:  # calibrate the step to ~step_factor x the copy
-        t = time.perf_counter()
-        state, _ = fn(state, x, iters)
-        jax.block_until_ready(state)
-        if time.perf_counter() - t >= step_ms / 1e3 or iters > 1 << 16:
-          break
-        iters *= 2
+      fn, x, iters = calibrated_step(state, sharding, save_s * step_factor)
+      state, _ = fn(state, x, iters)
 
       def loop(snap: bool, steps: int = repeats * 2) -> float:
         nonlocal state
@@ -123,7 +87,7 @@ def one_size(mb: int, repeats: int, step_factor: float) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="benchmarks.capture", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mb", type=int, nargs="+", default=[64, 256, 1024])
+  p.add_argument("--mb", type=int, nargs="+", default=[64, 256, 1024, 2048])
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--step-factor", type=float, default=10.0,
                  help="step compute time as a multiple of the measured copy time")

@@ -28,8 +28,8 @@ import numpy as np
 
 from . import _faults
 from ._hoststore import align
-from ._layout import LeafKind, LeafSpec, Piece, addressable_pieces
-from ._placement import owners, replica_shardings
+from ._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, normalize_index
+from ._placement import owners, replica_shardings, ring_permutable, ring_permute
 
 Source = Callable[[], np.ndarray]
 
@@ -50,13 +50,47 @@ class Capture:
     self.sources = []
 
 
+@dataclasses.dataclass
+class Transfer:
+  """One leaf's move to one ring shift: the replica sharding says which
+  device receives which shard."""
+
+  leaf: int
+  arr: jax.Array
+  replica_sharding: jax.sharding.NamedSharding
+  owner_of: dict[Any, int]
+  mine: set[Any]
+
+  @property
+  def perm(self) -> dict[jax.Device, jax.Device]:
+    """source device -> device that receives its shard."""
+    src = self.arr.sharding.mesh.devices.flat
+    dst = self.replica_sharding.mesh.devices.flat
+    return dict(zip(src, dst))
+
+  def received(self, out: jax.Array) -> list[tuple[Piece, jax.Array]]:
+    """(piece, data) for each shard this host received in ``out``, the
+    permuted copy of ``arr`` laid out one shard per device."""
+    inverse = {d: s for s, d in self.perm.items()}
+    idx_map = self.arr.sharding.devices_indices_map(tuple(self.arr.shape))
+    pieces = []
+    for shard in out.addressable_shards:
+      src = inverse[shard.device]
+      index = normalize_index(idx_map[src], tuple(self.arr.shape))
+      shape = tuple(b - a for a, b in index)
+      data = shard.data if shard.data.shape == shape else shard.data.reshape(shape)
+      pieces.append((Piece(self.leaf, index, data.nbytes), data))
+    return pieces
+
+
 def _bytes_of(x: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
 def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
             host: int, domains: dict[int, int] | None = None,
-            replicas: int = 0, step: int = -1) -> Capture:
+            replicas: int = 0, step: int = -1,
+            replica_batch_bytes: int = 64 << 20) -> Capture:
   """Takes a stable reference to every addressable piece of ``leaves``.
 
   With ``domains`` and ``replicas`` (multi-host), also receives, by a JAX
@@ -66,6 +100,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   """
   cap = Capture(list(specs), [], [], [], {})
   middle = len(specs) // 2
+  transfers: list[Transfer] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
     if i == middle:
       _faults.point("capture", step)
@@ -86,26 +121,52 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     mine = set()
     for piece, data in addressable_pieces(i, arr):
       mine.add(piece.index)
-      _add(cap, piece, data, host, on_cpu)
+      _add(cap, piece, data, host, pin_view=on_cpu)
     if domains is None or replicas == 0:
       continue
     shardings = replica_shardings(arr.sharding, tuple(arr.shape), domains, replicas)
-    owner_of = owners(arr.sharding, tuple(arr.shape)) if shardings else {}
-    for rs in shardings:  # leaf by leaf: device memory grows by one leaf at most.
-      rep = jax.device_put(arr, rs)
-      if i >= middle:
-        _faults.point("replica", step)
-      for piece, data in addressable_pieces(i, rep):
-        if piece.index not in mine:
-          mine.add(piece.index)
-          _add(cap, piece, data, owner_of[piece.index], on_cpu)
+    if shardings:
+      owner_of = owners(arr.sharding, tuple(arr.shape))
+      transfers.extend(Transfer(i, arr, rs, owner_of, mine) for rs in shardings)
+  _replicate(cap, transfers, step=step, batch_bytes=replica_batch_bytes)
   return cap
 
 
-def _add(cap: Capture, piece: Piece, data: jax.Array, owner: int, on_cpu: bool) -> None:
+def _replicate(cap: Capture, transfers: Sequence[Transfer], *, step: int,
+               batch_bytes: int) -> None:
+  """Receives this host's replica pieces: batches of leaves move in one
+  jitted collective permute each (``_placement.ring_permute``); a leaf the
+  permute cannot carry (not over all devices, uneven shards) moves alone by
+  ``jax.device_put`` onto its ring-permuted sharding."""
+  fast = [t for t in transfers if ring_permutable(t.arr)]
+  for t in transfers:
+    if not ring_permutable(t.arr):
+      rep = jax.device_put(t.arr, t.replica_sharding)
+      _faults.point("replica", step)
+      for piece, data in addressable_pieces(t.leaf, rep):
+        _add_replica(cap, t, piece, data)
+  sizes = [t.arr.nbytes // len(t.arr.sharding.device_set) for t in fast]
+  for batch in batches(sizes, batch_bytes):
+    group = [fast[j] for j in batch]
+    outs = ring_permute([t.arr for t in group], [t.perm for t in group])
+    _faults.point("replica", step)
+    for t, out in zip(group, outs):
+      for piece, data in t.received(out):
+        _add_replica(cap, t, piece, data)
+
+
+def _add_replica(cap: Capture, t: Transfer, piece: Piece, data: jax.Array) -> None:
+  if piece.index not in t.mine:
+    t.mine.add(piece.index)
+    # A received replica is a fresh buffer that no step donates: the drain
+    # thread waits for the transfer, not the training loop.
+    _add(cap, piece, data, t.owner_of[piece.index], pin_view=False)
+
+
+def _add(cap: Capture, piece: Piece, data: jax.Array, owner: int, pin_view: bool) -> None:
   cap.pieces.append(piece)
   cap.owners.append(owner)
-  if on_cpu:
+  if pin_view:
     view = np.asarray(data)  # blocks until the step computed it.
     cap.sources.append(lambda v=view: v)
   else:

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._layout import Index, LeafKind, LeafSpec
+from ._layout import Index, LeafKind, LeafSpec, batches
 from ._manifest import Manifest, decode, encode
 from ._planner import Copy, StepPlan
 
@@ -102,20 +102,6 @@ def sum_bytes(contribution: np.ndarray) -> np.ndarray:
   total = jax.jit(_sum_over_hosts, out_shardings=NamedSharding(mesh, P("local")))(g)
   shards = sorted(total.addressable_shards, key=lambda sh: sh.index[0].start or 0)
   return np.concatenate([np.asarray(sh.data) for sh in shards])[:size]
-
-
-def batches(sizes: Sequence[int], limit: int = BATCH_BYTES) -> list[list[int]]:
-  """Groups item positions into runs of at most ``limit`` bytes (an item
-  larger than ``limit`` gets a batch of its own)."""
-  out: list[list[int]] = []
-  used = limit
-  for i, n in enumerate(sizes):
-    if used + n > limit or not out:
-      out.append([])
-      used = 0
-    out[-1].append(i)
-    used += n
-  return out
 
 
 def gather_bad(local_bad: Sequence[tuple[int, int, int, Index]]) -> list[Any]:

@@ -177,3 +177,17 @@ def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.A
   plan = _piece_plan(leaf_idx, arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize)
   by_device = {s.device.id: s for s in arr.addressable_shards}
   return [(piece, by_device[dev].data) for dev, piece in plan]
+
+
+def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
+  """Groups positions into consecutive runs of at most ``limit`` bytes (an
+  item larger than ``limit`` gets a run of its own)."""
+  out: list[list[int]] = []
+  used = limit
+  for i, n in enumerate(sizes):
+    if used + n > limit or not out:
+      out.append([])
+      used = 0
+    out[-1].append(i)
+    used += n
+  return out

@@ -19,7 +19,7 @@ import numpy as np
 from . import _capture, _exchange, _faults, _planner, errors
 from ._assemble import Assembler, BadCopy, build_leaf, full_region
 from ._hoststore import HostStore, align, host_dir
-from ._layout import LeafKind, check_compatible, flatten, tree_digest
+from ._layout import LeafKind, batches, check_compatible, flatten, tree_digest
 from ._manifest import Manifest, PieceRecord, check_extra, write_atomic
 from ._persistent import OrbaxTier, target_sharding
 from ._placement import host_domains
@@ -333,7 +333,7 @@ class SnapshotManager:
       if pos == len(target_specs) // 2:
         _faults.point("restore", plan.step)
     sizes = [align(plan.specs[by_path[target_specs[p].path]].nbytes) for p in moved]
-    groups = _exchange.batches(sizes)
+    groups = batches(sizes, _exchange.BATCH_BYTES)
     width = max((sum(sizes[i] for i in g) for g in groups), default=0)
     for group in groups:  # the same groups, in the same order, on every host.
       buf = np.zeros(width, np.uint8)

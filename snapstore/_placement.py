@@ -11,11 +11,14 @@ The move is a permutation of the mesh's devices, so JAX carries the bytes.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._layout import normalize_index
 
@@ -95,3 +98,77 @@ def owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[tupl
     key = normalize_index(idx, shape)
     out[key] = min(out.get(key, d.process_index), d.process_index)
   return out
+
+
+_AXIS = "snapstore_devices"
+
+
+def _device_mesh() -> Mesh:
+  """All devices on one axis, in the same order on every process."""
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  return Mesh(np.array(devices), (_AXIS,))
+
+
+def ring_permutable(arr: jax.Array) -> bool:
+  """True if ``ring_permute`` can carry ``arr``: a NamedSharding over every
+  device of the job with even shards."""
+  s = arr.sharding
+  if not isinstance(s, NamedSharding) or s.device_set != set(jax.devices()):
+    return False
+  try:
+    s.shard_shape(tuple(arr.shape))
+  except ValueError:
+    return False
+  return True
+
+
+def _to_bytes(x: jax.Array) -> jax.Array:
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint8).reshape(-1)
+  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
+  if like.dtype == jnp.bool_:
+    return (b != 0).reshape(like.shape)
+  itemsize = np.dtype(like.dtype).itemsize
+  shape = like.shape + ((itemsize,) if itemsize > 1 else ())
+  return jax.lax.bitcast_convert_type(b.reshape(shape), like.dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _permute_fn(mesh: Mesh, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
+  """One ppermute per distinct permutation: the arrays that share it travel
+  as one byte buffer (one message per device pair, not one per leaf)."""
+  def body(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    out: list[Any] = [None] * len(xs)
+    for perm in sorted(set(perms)):
+      which = [i for i, p in enumerate(perms) if p == perm]
+      flat = [_to_bytes(xs[i]) for i in which]
+      moved = jax.lax.ppermute(jnp.concatenate(flat), _AXIS, perm)
+      at = 0
+      for i, f in zip(which, flat):
+        out[i] = _from_bytes(moved[at: at + f.size], xs[i])
+        at += f.size
+    return tuple(out)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
+                               check_vma=False))
+
+
+def ring_permute(arrays: Sequence[jax.Array],
+                 perms: Sequence[dict[jax.Device, jax.Device]]) -> list[jax.Array]:
+  """Sends each device's shard of ``arrays[i]`` to ``perms[i][device]``, all in
+  one jitted collective permute (XLA carries the bytes; compiled once per
+  set of shapes). Returns, per array, a ``(devices * shard_rows, ...)``
+  array whose block on device ``e`` is the shard that ``e`` received.
+  Collective: every process calls it with the same arrays."""
+  mesh = _device_mesh()
+  pos = {d: i for i, d in enumerate(mesh.devices.flat)}
+  stacked = []
+  for a in arrays:
+    shard = tuple(a.sharding.shard_shape(tuple(a.shape))) or (1,)
+    datas = [sh.data if sh.data.ndim else sh.data.reshape(1) for sh in a.addressable_shards]
+    stacked.append(jax.make_array_from_single_device_arrays(
+        (shard[0] * mesh.size, *shard[1:]), NamedSharding(mesh, P(_AXIS)), datas))
+  pairs = tuple(tuple(sorted((pos[s], pos[d]) for s, d in p.items())) for p in perms)
+  return list(_permute_fn(mesh, pairs)(*stacked))

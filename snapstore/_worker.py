@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -34,20 +33,17 @@ def main() -> int:
   p.add_argument("--checkpoint-every", type=int, default=0)
   p.add_argument("--hosts-per-domain", type=int, default=None)
   p.add_argument("--replicas", type=int, default=1)
+  p.add_argument("--keep", type=int, default=2, help="snapshots kept per host")
   p.add_argument("--snapshots", type=int, default=1, help="0: GCS-only baseline")
   p.add_argument("--digest-restore", action=argparse.BooleanOptionalAction, default=True,
                  help="global state digest of the restored step")
+  p.add_argument("--measure-ckpt-commit", action="store_true",
+                 help="at the end, time one persistent save until committed")
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
   a = p.parse_args()
-  env = os.environ
-  host, num_hosts = int(env["SNAPSTORE_HOST"]), int(env["SNAPSTORE_NUM_HOSTS"])
-  inc = int(env["SNAPSTORE_INCARNATION"])
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", int(env["SNAPSTORE_DEVICES_PER_HOST"]))
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
-                             heartbeat_timeout_seconds=10)
+  from snapstore.launch import init_from_env  # noqa: PLC0415
+  host, _, inc = init_from_env()
   import numpy as np  # noqa: PLC0415
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
@@ -65,7 +61,7 @@ def main() -> int:
     return h.hexdigest()
 
   opts = snapstore.SnapshotOptions(
-      interval=1 if a.snapshots else 10**9, keep=2, store_dir=a.store, run_id=a.run_id,
+      interval=1 if a.snapshots else 10**9, keep=a.keep, store_dir=a.store, run_id=a.run_id,
       persistent_interval=a.checkpoint_every, replicas=a.replicas,
       hosts_per_domain=a.hosts_per_domain)
   report = {"host": host, "incarnation": inc, "losses": {}, "digests": {}, "times": {},
@@ -91,6 +87,14 @@ def main() -> int:
         report["digests"][s] = digest(state)
       out.write_text(json.dumps(report))
     mgr.wait_until_finished()
+    report["save_metrics"] = mgr.metrics.as_dict()
+    if a.measure_ckpt_commit and mgr.persistent is not None:
+      from snapstore._layout import flatten  # noqa: PLC0415
+      specs, leaves, _ = flatten(state)
+      t = time.perf_counter()
+      mgr.persistent.save(a.steps + 1, specs, leaves, None)
+      mgr.persistent.wait_until_finished()
+      report["ckpt_commit_s"] = time.perf_counter() - t
   out.write_text(json.dumps(report))
   return 0
 

@@ -90,6 +90,21 @@ class Incarnation:
     return dict(dataclasses.asdict(self), ok=self.ok, failure=self.failure)
 
 
+def init_from_env() -> tuple[int, int, int]:
+  """In a process started by ``launch``: configures JAX for CPU (gloo, the
+  given devices per host) and joins the job. Returns (host, hosts,
+  incarnation). Call before any other JAX use."""
+  import jax  # noqa: PLC0415
+  env = os.environ
+  host, num_hosts = int(env["SNAPSTORE_HOST"]), int(env["SNAPSTORE_NUM_HOSTS"])
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", int(env["SNAPSTORE_DEVICES_PER_HOST"]))
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
+                             heartbeat_timeout_seconds=10)
+  return host, num_hosts, int(env["SNAPSTORE_INCARNATION"])
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -1,0 +1,105 @@
+"""One host of ``benchmarks.multihost`` (run by ``snapstore launch``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def main() -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--mb", type=int, required=True)
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--out", required=True)
+  p.add_argument("--store", required=True)
+  p.add_argument("--local", required=True)
+  p.add_argument("--gcs", required=True)
+  p.add_argument("--replicas", type=int, default=1)
+  a = p.parse_args()
+  from snapstore.launch import init_from_env  # noqa: PLC0415
+  host, num_hosts, _ = init_from_env()
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  import snapstore  # noqa: PLC0415
+  from snapstore._layout import flatten  # noqa: PLC0415
+
+  mesh = jax.make_mesh((jax.device_count(),), ("d",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  sharding = NamedSharding(mesh, P("d"))
+  leaf = 4 << 20  # 16 MB float32 leaves, sharded over every device
+  n = max(1, (a.mb << 20) // (leaf * 4))
+  size = min(leaf, (a.mb << 20) // 4)
+  make = jax.jit(lambda k: jax.random.normal(k, (size,), jnp.float32), out_shardings=sharding)
+  state = {f"w{i}": make(jax.random.key(i)) for i in range(n)}
+  step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.999 + 0.001, s), donate_argnums=0)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                          state)
+  opts = snapstore.SnapshotOptions(store_dir=a.store, run_id="mh", keep=1,
+                                   replicas=a.replicas, hosts_per_domain=num_hosts // 2)
+  report: dict = {"hosts": num_hosts, "state_mb": n * size * 4 / 2**20}
+  step = 0
+  with snapstore.SnapshotManager(opts) as mgr:
+    def block(snap: bool) -> float:
+      nonlocal state, step
+      multihost_utils.sync_global_devices("block")
+      t = time.perf_counter()
+      for _ in range(a.steps):
+        step += 1
+        state = step_fn(state)
+        if snap:
+          mgr.save(step, state)
+      jax.block_until_ready(state)
+      mgr.wait_until_finished()
+      return (time.perf_counter() - t) / a.steps
+
+    block(True)  # compile, allocate slots
+    best = {"none": float("inf"), "snap": float("inf")}
+    for _ in range(a.rounds):
+      for key in best:
+        best[key] = min(best[key], block(key == "snap"))
+    report.update(step_s_none=best["none"], step_s_snapshot=best["snap"],
+                  step_ratio=best["snap"] / best["none"])
+    newest = mgr.store.manifests()[-1]
+    mine = sum(p.nbytes for p in newest.pieces if p.owner != host)
+    moved = int(np.asarray(multihost_utils.process_allgather(np.array([mine]))).sum())
+    report["replica_bytes_per_step"] = moved
+    specs, leaves, _ = flatten(state)
+    tiers = {"orbax_local": snapstore.OrbaxTier(a.local),
+             "orbax_gcs": snapstore.OrbaxTier(a.gcs)}
+    for tier in tiers.values():
+      tier.save(step, specs, leaves, None)
+      tier.wait_until_finished()
+    times: dict[str, list[float]] = {"ram": [], "orbax_local": [], "orbax_gcs": []}
+    for r in range(a.repeats):
+      for name in times:
+        multihost_utils.sync_global_devices(f"restore-{name}-{r}")
+        t = time.perf_counter()
+        if name == "ram":
+          res = mgr.restore(abstract)
+        else:
+          empty = snapstore.SnapshotOptions(store_dir=a.store, run_id=f"empty-{name}")
+          with snapstore.SnapshotManager(empty, persistent=tiers[name]) as other:
+            res = other.restore(abstract)
+        jax.block_until_ready(res.state)
+        times[name].append(time.perf_counter() - t)
+        assert res.step == step, (name, res.step, step)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    report.update({f"restore_{k}_s": v for k, v in med.items()})
+    report["orbax_local_vs_ram"] = med["orbax_local"] / med["ram"]
+    report["orbax_gcs_vs_ram"] = med["orbax_gcs"] / med["ram"]
+  if host == 0:
+    Path(a.out).write_text(json.dumps(report))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

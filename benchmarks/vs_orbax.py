@@ -1,0 +1,177 @@
+"""snapstore against Orbax's own in-RAM options, on the same state, side by side.
+
+``python -m benchmarks.vs_orbax --mb 256``: one process, 8 CPU devices as a
+(replica=2, model=4) mesh, float32 leaves sharded over ``model`` and
+replicated over ``replica`` (data parallelism over two slices). For each
+system, ``--repeats`` rounds, interleaved:
+
+* ``snapstore``: ``SnapshotManager.save`` (returns once the buffers are
+  safe), ``wait_until_finished`` (copied, checksummed, committed), ``restore``;
+* ``orbax_snapshotter``: Orbax v1 ``Snapshotter`` (pinned-host copies split by
+  the replica axis): ``save``, ``join``, ``load``;
+* ``orbax_local_ramfs``: the local tier of Orbax's emergency checkpointing,
+  an async ``CheckpointManager`` on ``/dev/shm`` (the emergency manager
+  itself saves locally only in non-primary slices, which one process does
+  not have): ``save``, ``wait_until_finished``, ``restore``.
+
+Reported per system: median ``save_return_s``, ``save_complete_s``,
+``restore_s``; and snapstore's ratios to each (>1: snapstore is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from benchmarks._common import cleanup, emit, ram_dir, setup_cpu_devices
+
+
+class _System:
+  name: str
+
+  def save(self, step: int, state: Any) -> None: ...
+  def complete(self) -> None: ...
+  def restore(self, step: int, abstract: Any) -> Any: ...
+  def close(self) -> None: ...
+
+
+def _systems(work: Any, mesh: Any, abstract: Any) -> list[Any]:
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter  # noqa: PLC0415
+
+  import snapstore  # noqa: PLC0415
+
+  class Snap(_System):
+    name = "snapstore"
+
+    def __init__(self):
+      self.m = snapstore.SnapshotManager(snapstore.SnapshotOptions(
+          store_dir=work / "snapstore", keep=1))
+
+    def save(self, step, state):
+      self.m.save(step, state)
+
+    def complete(self):
+      self.m.wait_until_finished()
+
+    def restore(self, step, abstract):
+      return self.m.restore(abstract).state
+
+    def close(self):
+      self.m.close()
+
+  class OrbaxSnapshotter(_System):
+    name = "orbax_snapshotter"
+
+    def __init__(self):
+      self.s = Snapshotter(replica_axis_index=0)
+
+    def save(self, step, state):
+      self.s.save(step, state)
+
+    def complete(self):
+      self.s.join()
+
+    def restore(self, step, abstract):
+      return self.s.load(abstract, reset_snapshot_state=False)
+
+    def close(self):
+      pass
+
+  class OrbaxRamfs(_System):
+    # Orbax's emergency CheckpointManager keeps its local tier as an Orbax
+    # CheckpointManager writing to a RAM disk in each non-primary slice; in
+    # one process every slice is the primary one and it never saves locally
+    # (checked: the local directory stays empty), so its local tier is run
+    # directly: an async CheckpointManager on /dev/shm.
+    name = "orbax_local_ramfs"
+
+    def __init__(self):
+      self.m = ocp.CheckpointManager(
+          work / "orbax-ramfs",
+          options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=True))
+
+    def save(self, step, state):
+      self.m.save(step, args=ocp.args.StandardSave(state))
+
+    def complete(self):
+      self.m.wait_until_finished()
+
+    def restore(self, step, abstract):
+      return self.m.restore(step, args=ocp.args.StandardRestore(abstract))
+
+    def close(self):
+      self.m.close()
+
+  return [Snap(), OrbaxSnapshotter(), OrbaxRamfs()]
+
+
+def run(mb: int, repeats: int) -> dict:
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  mesh = jax.make_mesh((2, 4), ("replica", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  sharding = NamedSharding(mesh, P(None, "model"))
+  elems = min(4 << 20, (mb << 20) // 4)
+  n = max(1, (mb << 20) // (elems * 4))
+  make = jax.jit(lambda k: jax.random.normal(k, (elems // 1024, 1024), jnp.float32),
+                 out_shardings=sharding)
+  state = {f"w{i}": make(jax.random.key(i)) for i in range(n)}
+  nbytes = sum(x.nbytes for x in state.values())
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                          state)
+  work = ram_dir("snapstore-vs-orbax-")
+  times: dict[str, dict[str, list[float]]] = {}
+  try:
+    systems = _systems(work, mesh, abstract)
+    for r in range(repeats + 1):  # round 0 warms up (allocation, compilation)
+      for sys_ in systems:
+        t = time.perf_counter()
+        sys_.save(r + 1, state)
+        ret = time.perf_counter() - t
+        sys_.complete()
+        done = time.perf_counter() - t
+        t = time.perf_counter()
+        out = jax.block_until_ready(sys_.restore(r + 1, abstract))
+        rest = time.perf_counter() - t
+        for k in state:
+          if not np.array_equal(np.asarray(out[k]), np.asarray(state[k])):
+            raise AssertionError(f"{sys_.name} restored a different {k}")
+        if r:
+          row = times.setdefault(sys_.name, {"save_return_s": [], "save_complete_s": [],
+                                             "restore_s": []})
+          row["save_return_s"].append(ret)
+          row["save_complete_s"].append(done)
+          row["restore_s"].append(rest)
+    for sys_ in systems:
+      sys_.close()
+  finally:
+    cleanup(work)
+  med = {name: {k: statistics.median(v) for k, v in row.items()} for name, row in times.items()}
+  snap = med["snapstore"]
+  ratios: dict[str, float] = {}
+  for other in ("orbax_snapshotter", "orbax_local_ramfs"):
+    for k in ("save_return_s", "save_complete_s", "restore_s"):
+      ratios[f"{other}_over_snapstore_{k[:-2]}"] = med[other][k] / snap[k]
+  return {"state_mb": nbytes / 2**20, "systems": med, "ratios": ratios}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="benchmarks.vs_orbax", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--mb", type=int, default=256)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--out", default="bench-results/vs_orbax.json")
+  args = p.parse_args(argv)
+  setup_cpu_devices(8)
+  emit("vs_orbax", run(args.mb, args.repeats), args.out)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
