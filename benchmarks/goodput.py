@@ -92,14 +92,24 @@ PRESETS: dict[str, Scenario] = {
 }
 
 
-def mean_rewind(interval: int, commit_s: float, step_s: float, grid: int = 4000) -> float:
-  """Expected steps completed since the newest usable save, for a failure at
-  a uniformly random time (exact average over one period, on a fine grid)."""
+def mean_rewind(interval: int, commit_s: float, step_s: float, *,
+                delay: tuple[float, float] | None = None, grid: int = 4000) -> float:
+  """Expected steps completed since the newest usable save.
+
+  The failure lands at a uniformly random time, or, with ``delay=(lo, hi)``,
+  ``lo..hi`` seconds (uniform) after a uniformly random step ends — how
+  ``snapstore launch`` kills: when a step's save begins, after a polling
+  delay. Exact average over one period, on a fine grid.
+  """
   lag = commit_s / step_s  # in steps
   total = 0.0
   for i in range(grid):
-    u = lag + interval * (10 + i / grid)  # failure time, in steps, far from the start
-    done = math.floor(u)                   # steps completed
+    if delay is None:
+      u = lag + interval * (10 + i / grid)  # failure time, in steps
+    else:
+      k = interval * 10 + int(lag) + (i % interval)
+      u = k + (delay[0] + (delay[1] - delay[0]) * ((i // interval) * interval / grid)) / step_s
+    done = math.floor(u)
     usable = interval * math.floor((u - lag) / interval)  # newest save usable by then
     total += done - usable
   return total / grid
@@ -201,19 +211,21 @@ def curves(sc: Scenario, name: str, out_dir: Path) -> list[str]:
   return paths
 
 
-def check(rewind_results: dict[str, Any]) -> dict[str, Any]:
-  """Predicted vs measured mean rewind for each case of a ``rewind`` run."""
+def check(rewind_results: dict[str, Any], delay: tuple[float, float] = (0.0, 0.02)
+          ) -> dict[str, Any]:
+  """Predicted vs measured mean rewind for each case of a ``rewind`` run, with
+  the same step time, commit times and failure timing (``launch``'s poll)."""
   rows = []
   for case in rewind_results["cases"]:
-    for mode, interval in (("without", case["checkpoint_interval"]), ("with", 1)):
+    c = case["checkpoint_interval"]
+    for mode in ("without", "with"):
       m = case[mode]
-      pred = mean_rewind(interval, m["commit_s"], m["step_s"])
-      if mode == "with":  # snapshots also fall back to the checkpoint
-        pred = min(pred, mean_rewind(case["checkpoint_interval"],
-                                     case["without"]["commit_s"], m["step_s"]))
-      rows.append({"checkpoint_interval": case["checkpoint_interval"],
-                   "snapshots": mode == "with", "measured_mean": m["mean"],
-                   "predicted_mean": pred, "kills": len(m["rewinds"]),
+      pred = mean_rewind(c, m["ckpt_commit_steps"] * m["step_s"], m["step_s"], delay=delay)
+      if mode == "with":  # a snapshot every step, the checkpoint as fallback
+        pred = min(pred, mean_rewind(1, m["snapshot_commit_s"], m["step_s"], delay=delay))
+      rows.append({"checkpoint_interval": c, "snapshots": mode == "with",
+                   "measured_mean": m["mean"], "predicted_mean": pred,
+                   "kills": len(m["rewinds"]),
                    "relative_error": abs(pred - m["mean"]) / max(m["mean"], 1e-9)})
   return {"rows": rows}
 

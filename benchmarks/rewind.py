@@ -11,16 +11,21 @@ uniform, so each kill step is uniformly distributed and the mean converges
 with few kills.
 
 Each case also records what the goodput simulator needs to predict it: the
-median step time, the snapshot commit time and the checkpoint commit time
-(``benchmarks.goodput --check`` compares).
+median step time, the snapshot commit time (capture + drain, from the
+manager's metrics) and the checkpoint commit lag in steps (steps completed
+between a save's return and its Orbax directory appearing, watched from
+outside); ``benchmarks.goodput --check`` compares.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,24 +44,57 @@ def _run(work: Path, name: str, interval: int, kill_steps: list[int], snapshots:
   out, store = work / name, work / f"store-{name}"
   out.mkdir()
   steps = kill_steps[-1] + 3
-  incs = launch("snapstore._worker",
+  ckpt = work / f"ckpt-{name}"
+  seen: dict[str, float] = {}  # checkpoint step -> when its directory became final
+  done = threading.Event()
+
+  def watch() -> None:
+    while not done.wait(0.001):
+      if ckpt.is_dir():
+        for d in os.listdir(ckpt):
+          if d.isdigit() and d not in seen:
+            seen[d] = time.time()
+  watcher = threading.Thread(target=watch, daemon=True)
+  watcher.start()
+  try:
+    incs = launch("snapstore._worker",
                 ["--steps", str(steps), "--out", str(out), "--store", str(store),
-                 "--run-id", name, "--persistent", str(work / f"ckpt-{name}"),
+                 "--run-id", name, "--persistent", str(ckpt),
                  "--checkpoint-every", str(interval), "--snapshots", str(int(snapshots)),
-                 "--no-digest-restore", "--measure-ckpt-commit"],
+                 "--no-digest-restore"],
                 num_hosts=1, devices_per_host=2, store_dir=store, run_id=name,
                 kills=[Kill(0, s, incarnation=i) for i, s in enumerate(kill_steps)],
                 max_incarnations=len(kill_steps) + 1, timeout_s=900, log_dir=out, env=env)
+  finally:
+    done.set()
+    watcher.join()
   rewinds = [inc.restore["rewind_steps"] for inc in incs[1:]]
   final = json.loads((out / f"inc{incs[-1].number}-host0.json").read_text())
   times = [final["times"][k] for k in sorted(final["times"], key=int)]
   step_s = statistics.median(b - a for a, b in zip(times[2:], times[3:]))
   m = final["save_metrics"]
-  commit = (m["capture_seconds"] + m["drain_seconds"]) if snapshots else final["ckpt_commit_s"]
+  n = max(m["snapshots_committed"], 1)
+  snap_commit = (m["capture_seconds_total"] + m["drain_seconds_total"]) / n
+  # An Orbax step directory's mtime is when its last file was written, just
+  # before the rename that commits it; the save returned at times[step].
+  # Commit lag in steps: steps that completed (in the incarnation that saved
+  # the checkpoint) after its save returned and before its directory was
+  # final. Counted, not divided by a median step: steps slow down while
+  # Orbax writes, so seconds / median step would overstate it.
+  reports = [json.loads((out / f"inc{inc.number}-host0.json").read_text()) for inc in incs]
+  lag_steps = {}
+  for step, t_final in seen.items():
+    for rep in reports:
+      t_saved = rep["times"].get(step)
+      if t_saved is not None and t_saved <= t_final:
+        lag_steps[step] = sum(1 for k, t in rep["times"].items()
+                              if int(k) > int(step) and t <= t_final) + 0.5
+  ckpt_lag = statistics.median(lag_steps.values())
   return {"rewinds": rewinds, "mean": statistics.mean(rewinds), "max": max(rewinds),
           "restored": [inc.restore["step"] for inc in incs[1:]],
           "sources": [inc.restore["source"] for inc in incs[1:]],
-          "step_s": step_s, "commit_s": commit, "ckpt_commit_s": final["ckpt_commit_s"]}
+          "step_s": step_s, "snapshot_commit_s": snap_commit,
+          "ckpt_commit_steps": ckpt_lag, "ckpt_commit_steps_each": lag_steps}
 
 
 def run(intervals: Sequence[int], kills: int, seed: int) -> dict:

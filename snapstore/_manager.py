@@ -135,6 +135,7 @@ class SnapshotManager:
     self.metrics.snapshots_started += 1
     self._inflight = self._drainer.submit(self._drain, cap, slot, manifest_base)
     self.metrics.capture_seconds = time.perf_counter() - t0
+    self.metrics.capture_seconds_total += self.metrics.capture_seconds
     return True
 
   def _drain(self, cap: _capture.Capture, slot: int, base: dict[str, Any]) -> None:
@@ -150,6 +151,7 @@ class SnapshotManager:
     self.metrics.snapshots_committed += 1
     self.metrics.bytes_snapshotted += nbytes
     self.metrics.drain_seconds = time.perf_counter() - t0
+    self.metrics.drain_seconds_total += self.metrics.drain_seconds
 
   def _retain(self) -> None:
     ms = self.store.manifests()

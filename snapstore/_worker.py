@@ -37,8 +37,6 @@ def main() -> int:
   p.add_argument("--snapshots", type=int, default=1, help="0: GCS-only baseline")
   p.add_argument("--digest-restore", action=argparse.BooleanOptionalAction, default=True,
                  help="global state digest of the restored step")
-  p.add_argument("--measure-ckpt-commit", action="store_true",
-                 help="at the end, time one persistent save until committed")
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
   a = p.parse_args()
@@ -48,6 +46,7 @@ def main() -> int:
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
   import snapstore  # noqa: PLC0415
+  from snapstore._manifest import write_atomic  # noqa: PLC0415
   from snapstore.example import ModelConfig, Trainer  # noqa: PLC0415
 
   trainer = Trainer(ModelConfig())
@@ -66,6 +65,9 @@ def main() -> int:
       hosts_per_domain=a.hosts_per_domain)
   report = {"host": host, "incarnation": inc, "losses": {}, "digests": {}, "times": {},
             "started": started}
+
+  def write() -> None:  # atomically: a SIGKILL must not leave a torn report
+    write_atomic(out, json.dumps(report).encode())
   out = Path(a.out) / f"inc{inc}-host{host}.json"
   with snapstore.SnapshotManager(opts, persistent=a.persistent) as mgr:
     report["restore_start"] = time.time()
@@ -85,17 +87,10 @@ def main() -> int:
       report["times"][s] = time.time()
       if a.digest_every_step or s == a.steps:
         report["digests"][s] = digest(state)
-      out.write_text(json.dumps(report))
+      write()
     mgr.wait_until_finished()
     report["save_metrics"] = mgr.metrics.as_dict()
-    if a.measure_ckpt_commit and mgr.persistent is not None:
-      from snapstore._layout import flatten  # noqa: PLC0415
-      specs, leaves, _ = flatten(state)
-      t = time.perf_counter()
-      mgr.persistent.save(a.steps + 1, specs, leaves, None)
-      mgr.persistent.wait_until_finished()
-      report["ckpt_commit_s"] = time.perf_counter() - t
-  out.write_text(json.dumps(report))
+  write()
   return 0
 
 

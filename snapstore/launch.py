@@ -38,6 +38,8 @@ from ._hoststore import host_dir, read_progress
 
 logger = logging.getLogger(__name__)
 
+POLL_S = 0.02  # how often the supervisor reads PROGRESS and process states
+
 
 @dataclasses.dataclass(frozen=True)
 class Kill:
@@ -182,7 +184,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
             p.kill()
           inc.exit_codes[h] = p.wait()
         break
-      time.sleep(0.02)
+      time.sleep(POLL_S)
     inc.ended = time.time()
     if report.exists():
       inc.restore = json.loads(report.read_text())

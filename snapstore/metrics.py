@@ -25,6 +25,8 @@ class SaveMetrics:
   wait_seconds: float = 0.0      # time save() spent waiting for a drain
   capture_seconds: float = 0.0   # time save() spent before returning (last)
   drain_seconds: float = 0.0     # background copy + checksum + commit (last)
+  capture_seconds_total: float = 0.0
+  drain_seconds_total: float = 0.0
   bytes_snapshotted: int = 0
   persistent_saves: int = 0
 

@@ -1,20 +1,97 @@
-"""Benchmark smoke tests at tiny sizes: JSON schema and finite, positive ratios."""
+"""Benchmark smoke tests at tiny sizes: JSON schema and finite, positive ratios;
+and the goodput simulator checked against real runs of the rewind benchmark."""
 
 import json
 import math
 
-from benchmarks import capture
+import pytest
+
+from benchmarks import capture, goodput, multihost, overhead, restore, rewind, vs_orbax
+
+
+def _run(module, argv, out):
+  assert module.main([*argv, "--out", str(out)]) == 0
+  return json.loads(out.read_text())
+
+
+def _positive(*values):
+  for v in values:
+    assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, v
 
 
 def test_capture_benchmark_smoke(tmp_path, capsys):
-  out = tmp_path / "capture.json"
-  assert capture.main(["--mb", "8", "--repeats", "2", "--step-factor", "2",
-                       "--out", str(out)]) == 0
-  result = json.loads(out.read_text())
+  result = _run(capture, ["--mb", "8", "--repeats", "2", "--step-factor", "2"],
+                tmp_path / "capture.json")
   assert result["benchmark"] == "capture"
   (row,) = result["sizes"]
-  for key in ("memcpy_gbps", "save_gbps", "save_vs_memcpy", "restore_gbps",
-              "restore_vs_memcpy", "step_s_plain", "step_s_snapshot"):
-    assert math.isfinite(row[key]) and row[key] > 0, key
+  _positive(*(row[k] for k in ("memcpy_gbps", "save_gbps", "save_vs_memcpy", "restore_gbps",
+                               "restore_vs_memcpy", "step_s_plain", "step_s_snapshot")))
   assert math.isfinite(row["step_overhead"])
   assert json.loads(capsys.readouterr().out)["sizes"][0]["state_mb"] == row["state_mb"]
+
+
+def test_overhead_benchmark_smoke(tmp_path):
+  result = _run(overhead, ["--mb", "8", "--intervals", "1", "5", "--steps", "3",
+                           "--rounds", "1", "--step-factor", "2"], tmp_path / "o.json")
+  assert [r["interval"] for r in result["intervals"]] == [1, 5]
+  _positive(result["step_s_none"], *(r["ratio"] for r in result["intervals"]))
+
+
+def test_restore_benchmark_smoke(tmp_path):
+  result = _run(restore, ["--mb", "4", "--repeats", "1"], tmp_path / "r.json")
+  assert result["sources"] == {"ram": "snapshot", "orbax_local": "persistent",
+                               "orbax_gcs": "persistent"}
+  _positive(result["ram_s"], result["orbax_local_vs_ram"], result["orbax_gcs_vs_ram"])
+
+
+def test_vs_orbax_benchmark_smoke(tmp_path):
+  result = _run(vs_orbax, ["--mb", "4", "--repeats", "1"], tmp_path / "v.json")
+  assert set(result["systems"]) == {"snapstore", "orbax_snapshotter", "orbax_local_ramfs"}
+  assert len(result["ratios"]) == 6
+  _positive(*result["ratios"].values())
+
+
+def test_multihost_benchmark_smoke(tmp_path):
+  result = _run(multihost, ["--mb", "8", "--steps", "2", "--rounds", "1", "--repeats", "1"],
+                tmp_path / "m.json")
+  assert result["hosts"] == 4
+  _positive(result["step_ratio"], result["orbax_local_vs_ram"], result["orbax_gcs_vs_ram"],
+            result["replica_bytes_per_step"])
+
+
+def test_goodput_presets_and_curves(tmp_path):
+  result = _run(goodput, ["--curves", str(tmp_path / "curves")], tmp_path / "g.json")
+  assert {p["preset"] for p in result["presets"]} == set(goodput.PRESETS)
+  for preset in result["presets"]:
+    by = {s["strategy"]: s for s in preset["strategies"]}
+    assert set(by) == {"gcs-only", "emergency-local", "snapstore"}
+    for s in by.values():
+      assert 0 < s["goodput"] <= 1
+    # Per-step snapshots rewind less than checkpoints every 100 steps.
+    assert by["snapstore"]["rewind_steps"] < by["gcs-only"]["rewind_steps"]
+  assert len(result["curves"]) == 2 * len(goodput.PRESETS)
+  assert all((tmp_path / "curves" / p.split("/")[-1]).stat().st_size > 0
+             for p in result["curves"])
+
+
+def test_mean_rewind_model_limits():
+  # A save every step, committed instantly, failures uniform in time: nothing lost.
+  assert goodput.mean_rewind(1, 0.0, 1.0) == pytest.approx(0.0, abs=1e-3)
+  # Every 10 steps, instant commit: the lost steps average 4.5.
+  assert goodput.mean_rewind(10, 0.0, 1.0) == pytest.approx(4.5, abs=0.01)
+  # A commit lag of 3 steps adds 3 steps.
+  assert goodput.mean_rewind(10, 3.0, 1.0) == pytest.approx(7.5, abs=0.01)
+
+
+def test_simulator_predicts_the_rewind_of_real_runs(tmp_path):
+  """The small case: checkpoint every 10 steps, 4 SIGKILLs, with and without
+  snapshots, real processes. The GCS-only mean rewind must be predicted
+  within 20%; with snapshots (0 or 1 step each) within half a step."""
+  measured = _run(rewind, ["--intervals", "10", "--kills", "4", "--seed", "0"],
+                  tmp_path / "rewind.json")
+  (case,) = measured["cases"]
+  assert case["with"]["max"] <= 1 and case["with"]["sources"] == ["snapshot"] * 4
+  assert case["without"]["sources"] == ["persistent"] * 4
+  rows = {r["snapshots"]: r for r in goodput.check(measured)["rows"]}
+  assert rows[False]["relative_error"] <= 0.20, rows[False]
+  assert abs(rows[True]["predicted_mean"] - rows[True]["measured_mean"]) <= 0.5, rows[True]
