@@ -212,3 +212,58 @@ def verify(buf: np.ndarray, crcs: Sequence[int], *, pool: futures.Executor,
     return False
   got = pool.map(lambda a: crc32c.crc32c(buf[a:min(a + chunk_bytes, n)]), starts)
   return all(g == c for g, c in zip(got, crcs))
+
+
+def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
+                      domain_of: dict[jax.Device, int], replicas: int,
+                      step: int = -1) -> dict[int, Capture]:
+  """Single controller (Pathways): one Capture per failure domain (slice).
+
+  Every piece goes to each domain whose devices hold it; a piece held by
+  fewer than ``1 + replicas`` domains is also kept by the next domains in
+  ring order (its bytes written to their stores), so losing its own domain
+  leaves a copy. Numpy leaves and scalars go to every domain.
+  """
+  order = sorted(set(domain_of.values()))
+  caps = {d: Capture(list(specs), [], [], [], {}) for d in order}
+  for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+    if i == len(specs) // 2:
+      _faults.point("capture", step)
+    if spec.kind is LeafKind.SCALAR:
+      for cap in caps.values():
+        cap.scalars[i] = leaf
+      continue
+    if spec.kind is LeafKind.NUMPY:
+      data = np.array(leaf, copy=True)
+      for d, cap in caps.items():
+        cap.pieces.append(Piece(i, tuple((0, n) for n in data.shape), data.nbytes))
+        cap.owners.append(d)
+        cap.sources.append(lambda x=data: x)
+      continue
+    arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+    on_cpu = all(dev.platform == "cpu" for dev in arr.sharding.device_set)
+    if not on_cpu:
+      arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
+    shape = tuple(arr.shape)
+    holders: dict[Any, dict[int, jax.Array]] = {}  # index -> domain -> data
+    for shard in arr.addressable_shards:
+      index = normalize_index(shard.index, shape)
+      holders.setdefault(index, {}).setdefault(domain_of[shard.device], shard.data)
+    for index, by_domain in holders.items():
+      nbytes = int(np.prod([b - a for a, b in index], dtype=np.int64)) * arr.dtype.itemsize
+      owner = min(by_domain)
+      keepers = dict(by_domain)
+      want = min(1 + replicas, len(order))
+      k = order.index(owner)
+      while len(keepers) < want:  # ring: the next domains after the owner
+        k = (k + 1) % len(order)
+        keepers.setdefault(order[k], by_domain[owner])
+      for d, data in sorted(keepers.items()):
+        caps[d].pieces.append(Piece(i, index, nbytes))
+        caps[d].owners.append(owner)
+        if on_cpu:
+          view = np.asarray(data)  # pins the buffer (see the module docstring)
+          caps[d].sources.append(lambda v=view: v)
+        else:
+          caps[d].sources.append(lambda x=data: np.asarray(x))
+  return caps

@@ -169,6 +169,16 @@ class HostStore:
   def close(self) -> None:
     self._close_maps()
 
+  def wipe(self) -> None:
+    """Deletes every manifest, slot and the PROGRESS file (the memory of a
+    lost host); the store stays usable and starts empty."""
+    self._close_maps()
+    for path in self.root.iterdir():
+      if path.is_file():
+        path.unlink(missing_ok=True)
+    self._decoded.clear()
+    self._slot_bytes = self._num_slots = 0
+
   # ------------------------------------------------------------ manifests
   def manifest_path(self, step: int) -> Path:
     return self.root / f"step-{step:010d}.manifest"

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -49,24 +50,35 @@ class SnapshotManager:
 
   def __init__(self, options: SnapshotOptions | None = None, *,
                persistent: OrbaxTier | ocp.CheckpointManager | str | os.PathLike[str]
-               | None = None):
+               | None = None,
+               slices: Mapping[int, Sequence[jax.Device]] | None = None):
     self.options = options or SnapshotOptions()
     self.host = jax.process_index()
     self.num_hosts = jax.process_count()
-    self.store = HostStore(
-        host_dir(self.options.store_dir, self.options.run_id, self.host),
-        run_id=self.options.run_id, host=self.host, keep=self.options.keep,
-        budget_bytes=self.options.budget_bytes)
+    # Single controller (Pathways): one store per failure domain (slice), all
+    # held by this process; multi-controller: one store, this host's.
+    self._domain_of: dict[jax.Device, int] | None = None
+    if slices is not None:
+      if self.num_hosts > 1:
+        raise ValueError("slices= is for a single controller (one process); with "
+                         "jax.distributed each process keeps its own host store")
+      self._domain_of = {d: k for k, devs in slices.items() for d in devs}
+    ids = sorted(slices) if slices is not None else [self.host]
+    self.stores = {i: HostStore(
+        host_dir(self.options.store_dir, self.options.run_id, i),
+        run_id=self.options.run_id, host=i, keep=self.options.keep,
+        budget_bytes=self.options.budget_bytes) for i in ids}
     if persistent is None or isinstance(persistent, OrbaxTier):
       self.persistent = persistent
     else:
       self.persistent = OrbaxTier(persistent)
-    prev_step, prev_inc = self.store.read_progress()
+    progress = [st.read_progress() for st in self.stores.values()]
+    prev_step, prev_inc = max(p[0] for p in progress), max(p[1] for p in progress)
     self.incarnation = self.options.incarnation
     if self.incarnation is None and os.environ.get(INCARNATION_ENV, "").isdigit():
       self.incarnation = int(os.environ[INCARNATION_ENV])
     if self.incarnation is None:
-      seen = [m.incarnation for m in self.store.manifests()] + [prev_inc]
+      seen = [m.incarnation for m in self._all_manifests()] + [prev_inc]
       self.incarnation = max(seen) + 1
       if self.num_hosts > 1:  # a replaced host starts empty: agree on the max.
         self.incarnation = int(_exchange.gather_ints([self.incarnation]).max())
@@ -96,7 +108,8 @@ class SnapshotManager:
     if type(step) is not int or step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
     self._newest_step = max(self._newest_step, step)
-    self.store.write_progress(self._newest_step, self.incarnation)
+    for store in self.stores.values():
+      store.write_progress(self._newest_step, self.incarnation)
     snap = force or self.options.should_snapshot(step)
     persist = self.persistent is not None and self.options.should_persist(step)
     if not (snap or persist):
@@ -119,49 +132,75 @@ class SnapshotManager:
       self.metrics.wait_seconds += time.perf_counter() - t
     self._raise_drain_error()
     t0 = time.perf_counter()
-    cap = _capture.capture(specs, leaves, host=self.host, domains=self._domains,
-                           replicas=self.options.replicas, step=step)
-    self.store.plan_slots(cap.nbytes)
-    retained = _planner.fence(self.store.manifests())
-    slot = self.store.free_slot(retained)
-    for m in self.store.manifests():
-      if m.slot == slot:
-        self.store.delete(m.step, f"slot {slot} reused for step {step}")
-    manifest_base = dict(
-        run_id=self.options.run_id, incarnation=self.incarnation, step=step,
-        host=self.host, num_hosts=self.num_hosts, tree_digest=tree_digest(specs),
-        slot=slot, chunk_bytes=self.options.chunk_bytes, leaves=tuple(specs),
-        scalars=dict(cap.scalars), extra=extra)
+    if self._domain_of is not None:
+      caps = _capture.capture_by_domain(specs, leaves, domain_of=self._domain_of,
+                                        replicas=self.options.replicas, step=step)
+    else:
+      caps = {self.host: _capture.capture(specs, leaves, host=self.host,
+                                          domains=self._domains,
+                                          replicas=self.options.replicas, step=step)}
+    jobs = []
+    for sid, cap in caps.items():
+      store = self.stores[sid]
+      store.plan_slots(cap.nbytes)
+      slot = store.free_slot(_planner.fence(store.manifests()))
+      for m in store.manifests():
+        if m.slot == slot:
+          store.delete(m.step, f"slot {slot} reused for step {step}")
+      jobs.append((store, cap, slot, dict(
+          run_id=self.options.run_id, incarnation=self.incarnation, step=step,
+          host=sid, num_hosts=max(self.num_hosts, len(self.stores)),
+          tree_digest=tree_digest(specs), slot=slot, chunk_bytes=self.options.chunk_bytes,
+          leaves=tuple(specs), scalars=dict(cap.scalars), extra=extra)))
     self.metrics.snapshots_started += 1
-    self._inflight = self._drainer.submit(self._drain, cap, slot, manifest_base)
+    self._inflight = self._drainer.submit(self._drain, jobs)
     self.metrics.capture_seconds = time.perf_counter() - t0
     self.metrics.capture_seconds_total += self.metrics.capture_seconds
     return True
 
-  def _drain(self, cap: _capture.Capture, slot: int, base: dict[str, Any]) -> None:
+  def _drain(self, jobs: list[tuple[HostStore, _capture.Capture, int, dict[str, Any]]]
+             ) -> None:
     t0 = time.perf_counter()
-    offsets = _capture.layout_offsets(cap.pieces)
-    nbytes = cap.nbytes
-    crcs = _capture.drain(cap, self.store.slot_buffer(slot), offsets,
-                          pool=self._copy_pool, chunk_bytes=self.options.chunk_bytes)
-    pieces = tuple(PieceRecord(p.leaf, p.index, off, p.nbytes, c, owner)
-                   for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners))
-    self.store.commit(Manifest(pieces=pieces, created=time.time(), **base))
-    self._retain()
+    nbytes = 0
+    for store, cap, slot, base in jobs:
+      offsets = _capture.layout_offsets(cap.pieces)
+      nbytes += cap.nbytes
+      crcs = _capture.drain(cap, store.slot_buffer(slot), offsets,
+                            pool=self._copy_pool, chunk_bytes=self.options.chunk_bytes)
+      pieces = tuple(PieceRecord(p.leaf, p.index, off, p.nbytes, c, owner)
+                     for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners))
+      store.commit(Manifest(pieces=pieces, created=time.time(), **base))
+      self._retain(store)
     self.metrics.snapshots_committed += 1
     self.metrics.bytes_snapshotted += nbytes
     self.metrics.drain_seconds = time.perf_counter() - t0
     self.metrics.drain_seconds_total += self.metrics.drain_seconds
 
-  def _retain(self) -> None:
-    ms = self.store.manifests()
+  def _retain(self, store: HostStore) -> None:
+    ms = store.manifests()
     valid = _planner.fence(ms)
     for m in ms:
       if m not in valid:
-        self.store.delete(m.step, "superseded by a newer incarnation")
-    keep = min(self.options.keep, max(self.store.num_slots - 1, 1))
+        store.delete(m.step, "superseded by a newer incarnation")
+    keep = min(self.options.keep, max(store.num_slots - 1, 1))
     for m in valid[:-keep]:
-      self.store.delete(m.step, f"retention keeps {keep}")
+      store.delete(m.step, f"retention keeps {keep}")
+
+  @property
+  def store(self) -> HostStore:
+    """This host's store (the first domain's, on a single controller)."""
+    return self.stores.get(self.host) or next(iter(self.stores.values()))
+
+  def _all_manifests(self) -> list[Manifest]:
+    return [m for st in self.stores.values() for m in st.manifests()]
+
+  def forget_domains(self, domains: Sequence[int], reason: str) -> None:
+    """Single controller: the host memory of ``domains`` (slices) is gone
+    (their workers were lost); drop what their stores held."""
+    for d in domains:
+      if d in self.stores:
+        logger.warning("slice %d: its host-RAM snapshots are lost (%s)", d, reason)
+        self.stores[d].wipe()
 
   def _raise_drain_error(self) -> None:
     f = self._inflight
@@ -174,14 +213,14 @@ class SnapshotManager:
     """Blocks until the in-flight snapshot (and persistent save) is committed."""
     if self._inflight is not None:
       futures.wait([self._inflight])
-      self._raise_drain_error()
     if self.persistent is not None:
       self.persistent.wait_until_finished()
+    self._raise_drain_error()
 
   # ------------------------------------------------------------- queries
   def snapshot_steps(self) -> list[int]:
     """Steps with a complete snapshot manifest in this host's store."""
-    return sorted({m.step for m in _planner.fence(self.store.manifests())})
+    return sorted({m.step for m in _planner.fence(self._all_manifests())})
 
   def all_steps(self) -> list[int]:
     """Steps restorable from any tier (snapshots of this host, committed Orbax)."""
@@ -204,11 +243,16 @@ class SnapshotManager:
     snapshot; else the newest committed persistent step. Blocks.
     """
     self._check_open()
-    self.wait_until_finished()
+    notes: list[str] = []
+    try:
+      self.wait_until_finished()
+    except errors.SnapshotInProgressError as e:  # e.g. its slice died mid-copy
+      notes.append(f"the snapshot in flight was not completed and is not used: {e}")
+      logger.warning(notes[-1])
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     target_specs, targets, treedef = flatten(abstract_state)
-    manifests = self.store.manifests()
+    manifests = self._all_manifests()
     newest = max([self._newest_step] + [m.step for m in manifests])
     if self.num_hosts > 1:  # collective: every host exchanges its inventory.
       manifests = _exchange.gather_manifests(manifests)
@@ -216,12 +260,13 @@ class SnapshotManager:
     timings["scan"] = time.perf_counter() - t0
     persistent_steps = self.persistent.committed_steps() if self.persistent else []
     persistent_steps_ok = [s for s in persistent_steps if step is None or s == step]
-    notes: list[str] = []
     bad: set[_planner.CopyKey] = set()
     self._bytes_exchanged = 0
     while True:
       t = time.perf_counter()
-      plan = _planner.choose(manifests, step=step, bad=bad, prefer_host=self.host)
+      reasons: list[str] = []
+      plan = _planner.choose(manifests, step=step, bad=bad, prefer_host=self.host,
+                             reasons=reasons)
       timings["plan"] = timings.get("plan", 0.0) + time.perf_counter() - t
       if plan is None or (persistent_steps_ok and persistent_steps_ok[-1] > plan.step):
         break
@@ -265,10 +310,11 @@ class SnapshotManager:
       where = self.persistent.directory if self.persistent else "no persistent tier"
       what = f"step {step}" if step is not None else "any step"
       raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(
-          f"no complete snapshot of {what} in {self.store.root} and no committed "
+          f"no complete snapshot of {what} in {self.store.root.parent} and no committed "
           f"checkpoint in {where}. Nothing was deleted; start from scratch, or "
           "point store_dir/run_id/persistent at the run to resume.")
     pstep = persistent_steps_ok[-1]
+    notes.extend(reasons[:1])  # why the freshest snapshot step was not usable
     notes.append(f"no complete snapshot at or after step {pstep}; "
                  "restoring from the persistent tier")
     logger.info(notes[-1])
@@ -359,9 +405,10 @@ class SnapshotManager:
     return out
 
   def _reader(self, copy: _planner.Copy) -> Any:
-    if copy.host != self.host:
+    store = self.stores.get(copy.host)
+    if store is None:
       raise NotImplementedError("remote copies are read by the multi-host path")
-    buf = self.store.read_buffer(copy.slot, copy.slot_bytes)
+    buf = store.read_buffer(copy.slot, copy.slot_bytes)
     return buf[copy.record.offset: copy.record.offset + copy.record.nbytes]
 
   # ------------------------------------------------------------ lifecycle
@@ -381,7 +428,8 @@ class SnapshotManager:
       self._copy_pool.shutdown(wait=True)
       if self.persistent is not None:
         self.persistent.close()
-      self.store.close()
+      for store in self.stores.values():
+        store.close()
 
   def __enter__(self) -> SnapshotManager:
     return self

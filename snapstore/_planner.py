@@ -80,8 +80,10 @@ def _volume(index: Index) -> int:
 
 
 def plan_step(step: int, manifests: Sequence[Manifest], *,
-              bad: Collection[CopyKey] = (), prefer_host: int = 0) -> StepPlan | None:
-  """A plan for ``step`` if every piece of every leaf has a usable copy."""
+              bad: Collection[CopyKey] = (), prefer_host: int = 0,
+              reasons: list[str] | None = None) -> StepPlan | None:
+  """A plan for ``step`` if every piece of every leaf has a usable copy
+  (else None, with why appended to ``reasons``)."""
   ms = [m for m in manifests if m.step == step]
   if not ms:
     return None
@@ -91,6 +93,8 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
   if len(digests) > 1:
     logger.warning("step %d: hosts disagree on the tree digest (%s); skipping",
                    step, dict(digests))
+    if reasons is not None:
+      reasons.append(f"step {step}: hosts disagree on the tree structure")
     return None
   ref = ms[0]
   copies: dict[tuple[int, Index], list[Copy]] = collections.defaultdict(list)
@@ -104,9 +108,13 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
     if spec.kind.value == "scalar":
       continue
     have = sum(_volume(idx) for (lf, idx) in copies if lf == leaf)
-    if have != _volume(tuple((0, d) for d in spec.shape)):
-      logger.info("step %d: leaf %r has no complete set of copies (%d of %d elements)",
-                  step, spec.path, have, _volume(tuple((0, d) for d in spec.shape)))
+    want = _volume(tuple((0, d) for d in spec.shape))
+    if have != want:
+      why = (f"step {step}: leaf {spec.path!r} has no complete set of surviving copies "
+             f"({have} of {want} elements)")
+      logger.info(why)
+      if reasons is not None:
+        reasons.append(why)
       return None
   return StepPlan(step=step, incarnation=inc, specs=ref.leaves,
                   tree_digest=ref.tree_digest, chunk_bytes=ref.chunk_bytes,
@@ -116,14 +124,16 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
 
 
 def choose(manifests: Iterable[Manifest], *, step: int | None = None,
-           bad: Collection[CopyKey] = (), prefer_host: int = 0) -> StepPlan | None:
-  """The freshest recoverable step (or exactly ``step``); None if none is."""
+           bad: Collection[CopyKey] = (), prefer_host: int = 0,
+           reasons: list[str] | None = None) -> StepPlan | None:
+  """The freshest recoverable step (or exactly ``step``); None if none is.
+  Why fresher steps were rejected is appended to ``reasons``."""
   ms = fence(manifests)
   steps = sorted({m.step for m in ms}, reverse=True)
   if step is not None:
     steps = [s for s in steps if s == step]
   for s in steps:
-    plan = plan_step(s, ms, bad=bad, prefer_host=prefer_host)
+    plan = plan_step(s, ms, bad=bad, prefer_host=prefer_host, reasons=reasons)
     if plan is not None:
       return plan
   return None

@@ -1,0 +1,221 @@
+"""Pathways single-controller path on CPU: 8 devices as 2 virtual slices of 4.
+
+What cannot run here is mocked with pathwaysutils' own tools: its
+``DeviceLossSimulator`` makes a lost slice's arrays raise ``DATA_LOSS``, and
+its slice health check (a pmap per slice) is replaced by one that reports
+the simulator's lost slices. Everything else is real: ``Manager.elastic_retry``,
+the snapshot stores, Orbax, the restore onto the surviving mesh.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from pathwaysutils.elastic import elastic as pw_elastic
+from pathwaysutils.elastic.manager import Manager
+from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
+
+from snapstore import BusyPolicy, SnapshotOptions
+from snapstore.integrations.pathways import ElasticOptions, ElasticTrainer, Snapshotter
+from tests.helpers import assert_bitwise_equal, host_copy
+
+
+@pytest.fixture
+def slices(monkeypatch):
+  """2 virtual slices and a simulator; the health check reports lost slices.
+
+  ``lose(k, back_after=n)``: slice k is lost; with ``back_after``, a new slice
+  replaces it once ``n`` health checks have seen it down (deterministic, no
+  timers)."""
+  devs = jax.devices()
+  s2d = {0: devs[:4], 1: devs[4:]}
+  lost: dict[int, int | None] = {}  # slice -> health checks left until it is back
+  sim = DeviceLossSimulator()
+
+  def health(slice_to_devices=None, checker=None):
+    up = set()
+    for k in (slice_to_devices or s2d):
+      if k in lost and lost[k] is not None and lost[k] <= 0:
+        del lost[k]
+        sim.mark_slice_connected(k, s2d)
+      if k in lost:
+        if lost[k] is not None:
+          lost[k] -= 1
+      else:
+        up.add(k)
+    return frozenset(up)
+  monkeypatch.setattr(pw_elastic, "get_slice_to_devices",
+                      lambda devices: {k: list(v) for k, v in s2d.items()})
+  monkeypatch.setattr(pw_elastic, "get_active_slice_indices", health)
+
+  def lose(k, back_after=None):
+    sim.start()  # from here on: the simulator's patches are active
+    lost[k] = back_after
+    sim.mark_slice_lost(k, s2d)
+
+  def reconnect(k):
+    lost.pop(k, None)
+    sim.mark_slice_connected(k, s2d)
+  yield s2d, lose, reconnect
+  sim.stop()
+
+
+def make_state(devices, step=0):
+  """A leaf sharded across the slices (no DP twin), a DP-replicated leaf, a
+  SingleDeviceSharding leaf and a typed PRNG key."""
+  n = len(devices) // 4
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(n, 4), ("replica", "model"))
+  tp = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) + step
+  dp = jnp.ones((4, 8), jnp.bfloat16) * step
+  return {
+      "tp": jax.device_put(tp, NamedSharding(mesh, P("replica", "model"))),
+      "dp": jax.device_put(dp, NamedSharding(mesh, P(None, "model"))),
+      "single": jax.device_put(jnp.full((3,), step, jnp.int32),
+                               SingleDeviceSharding(devices[0])),
+      "rng": jax.device_put(jax.random.key(step), NamedSharding(mesh, P())),
+  }
+
+
+def abstract(devices):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      make_state(devices))
+
+
+def run_elastic(store_dir, lose, options, *, fail_at=5, total=8,
+                persistent=None, come_back=True):
+  elastic = Manager()
+  trainer = ElasticTrainer(elastic, options=options, store_dir=store_dir, run_id="pw",
+                           persistent=persistent, persistent_interval=2 if persistent else 0)
+  saved: dict[int, object] = {}
+  meshes = []
+  # DeviceLossSimulator tracks arrays by id(): keep every array alive so no
+  # new array inherits a dead corrupted one's id.
+  alive = []
+
+  def loop(restored, devices):
+    meshes.append(len(devices))
+    start = restored.step + 1 if restored else 1
+    state = restored.state if restored else None
+    alive.append(state)
+    for step in range(start, total + 1):
+      state = make_state(devices, step)  # the "train step": a function of the step
+      alive.append(state)
+      saved[step] = host_copy(state)
+      trainer.snapshots.save(step, state)
+      if step == fail_at and len(meshes) == 1:
+        trainer.snapshots.wait_until_finished()
+        # The slice is replaced after two health checks (the elastic event's
+        # and the first wait), or never.
+        lose(1, back_after=2 if come_back else None)
+        jax.block_until_ready(jax.jit(lambda s: s["tp"] * 2)(state))  # raises DATA_LOSS
+    trainer.snapshots.wait_until_finished()
+    return state
+
+  try:
+    final = trainer.run(loop, abstract)
+  finally:
+    trainer.close()
+  return trainer, saved, meshes, final
+
+
+FAST = dict(elastic_poll_seconds=0.05, elastic_timeout_seconds=20, elastic_max_retries=2)
+
+
+def test_pause_resume_restores_the_lost_step_from_the_cross_slice_copy(slices, store_dir):
+  _, lose, _ = slices
+  trainer, saved, meshes, final = run_elastic(store_dir, lose,
+                                              ElasticOptions(**FAST))
+  (event,) = trainer.events
+  assert event.lost_slices == (1,) and event.active_slices == (0, 1)
+  assert event.source == "snapshot" and event.restored_step == 5 and event.rewind_steps == 0
+  assert meshes == [8, 8]
+  assert_bitwise_equal(saved[8], final)
+
+
+def test_replica_resize_continues_on_the_surviving_slice(slices, store_dir):
+  _, lose, _ = slices
+  trainer, saved, meshes, final = run_elastic(
+      store_dir, lose, ElasticOptions(elastic_min_slice_count=1, **FAST),
+      come_back=False)
+  (event,) = trainer.events
+  assert event.active_slices == (0,) and event.restored_step == 5
+  assert meshes == [8, 4]  # the restored state lives on slice 0's 4 devices
+  assert_bitwise_equal(saved[8], final)
+
+
+def test_without_the_cross_slice_copy_the_handler_falls_back_to_orbax(
+    slices, store_dir, tmp_path):
+  _, lose, _ = slices
+  trainer, saved, meshes, final = run_elastic(
+      store_dir, lose, ElasticOptions(snapshot_replicas=0, **FAST),
+      persistent=str(tmp_path / "orbax"))
+  (event,) = trainer.events
+  assert event.source == "persistent" and event.restored_step == 4
+  assert any("leaf 'tp'" in n for n in event.notes), event.notes
+  assert_bitwise_equal(saved[8], final)
+
+
+def test_snapshotter_keeps_single_device_leaves_and_keys(slices, store_dir):
+  s2d, _, _ = slices
+  snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, keep=1), slices=s2d)
+  state = make_state(jax.devices(), 3)
+  expected = host_copy(state)
+  snap.save(3, state)
+  snap.join()
+  assert snap.latest.step == 3
+  restored = snap.load(abstract(jax.devices()))
+  assert_bitwise_equal(expected, restored)
+  assert isinstance(restored["single"].sharding, SingleDeviceSharding)
+  snap.close()
+
+
+def test_save_never_drops_a_step_silently(store_dir, monkeypatch):
+  from snapstore import _capture
+  slow = threading.Event()
+  real_drain = _capture.drain
+
+  def slow_drain(*a, **k):
+    slow.wait(2)
+    return real_drain(*a, **k)
+  monkeypatch.setattr(_capture, "drain", slow_drain)
+  devs = jax.devices()
+  for policy in (BusyPolicy.SKIP, BusyPolicy.WAIT):
+    snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, run_id=policy.value,
+                                               keep=2, busy_policy=policy),
+                       slices={0: devs[:4], 1: devs[4:]})
+    snap.save(1, make_state(devs, 1))
+    snap.save(2, make_state(devs, 2))  # the first is still draining
+    slow.set()
+    snap.join()
+    m = snap.manager.metrics
+    if policy is BusyPolicy.SKIP:
+      assert (m.skipped_busy, m.snapshots_committed, snap.latest.step) == (1, 1, 1)
+    else:
+      assert (m.waited_busy, m.snapshots_committed, snap.latest.step) == (1, 2, 2)
+    snap.close()
+    slow.clear()
+
+
+def test_pathwaysutils_workload_runs_with_snapstore_snapshotter(slices, store_dir):
+  from pathwaysutils.extras.simple_model import config, workload
+  s2d, lose, reconnect = slices
+  snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, keep=1), slices=s2d)
+  cfg = config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_heads=2,
+                           head_dim=16, num_layers=1, per_device_batch_size=1, seq_len=8)
+  w = workload.Workload(config=cfg, devices=jax.devices(), devices_per_slice=4,
+                        total_steps=3, snapshot_interval=1, snapshotter=snap)
+  w.run()
+  expected = host_copy(w.params)
+  lose(1)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="DATA_LOSS"):
+    np.asarray(jax.tree.leaves(w.params)[0])
+  snap.manager.forget_domains([1], "slice lost")
+  reconnect(1)
+  w.restore_from_snapshot()
+  assert snap.last_restore.step == 3
+  assert_bitwise_equal(expected, w.params)
+  w.close()
+  snap.close()
