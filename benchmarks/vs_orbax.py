@@ -5,8 +5,9 @@
 replicated over ``replica`` (data parallelism over two slices). For each
 system, ``--repeats`` rounds, interleaved:
 
-* ``snapstore``: ``SnapshotManager.save`` (returns once the buffers are
-  safe), ``wait_until_finished`` (copied, checksummed, committed), ``restore``;
+* ``snapstore``: its Orbax-compatible ``Snapshotter`` (one store per slice):
+  ``save`` (returns once the buffers are safe), ``join`` (copied,
+  checksummed, committed), ``load``;
 * ``orbax_snapshotter``: Orbax v1 ``Snapshotter`` (pinned-host copies split by
   the replica axis): ``save``, ``join``, ``load``;
 * ``orbax_local_ramfs``: the local tier of Orbax's emergency checkpointing,
@@ -45,23 +46,28 @@ def _systems(work: Any, mesh: Any, abstract: Any) -> list[Any]:
   import snapstore  # noqa: PLC0415
 
   class Snap(_System):
+    # snapstore's drop-in Snapshotter: one store per slice (the two rows of
+    # the mesh), as on Pathways.
     name = "snapstore"
 
     def __init__(self):
-      self.m = snapstore.SnapshotManager(snapstore.SnapshotOptions(
-          store_dir=work / "snapstore", keep=1))
+      from snapstore.integrations.pathways import Snapshotter as SnapstoreSnapshotter  # noqa: PLC0415
+      rows = mesh.devices
+      self.s = SnapstoreSnapshotter(
+          options=snapstore.SnapshotOptions(store_dir=work / "snapstore", keep=1),
+          slices={k: list(rows[k]) for k in range(rows.shape[0])})
 
     def save(self, step, state):
-      self.m.save(step, state)
+      self.s.save(step, state)
 
     def complete(self):
-      self.m.wait_until_finished()
+      self.s.join()
 
     def restore(self, step, abstract):
-      return self.m.restore(abstract).state
+      return self.s.load(abstract)
 
     def close(self):
-      self.m.close()
+      self.s.close()
 
   class OrbaxSnapshotter(_System):
     name = "orbax_snapshotter"
@@ -109,7 +115,7 @@ def _systems(work: Any, mesh: Any, abstract: Any) -> list[Any]:
   return [Snap(), OrbaxSnapshotter(), OrbaxRamfs()]
 
 
-def run(mb: int, repeats: int) -> dict:
+def run(mb: int, repeats: int, only: Sequence[str] | None = None) -> dict:
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
@@ -128,7 +134,7 @@ def run(mb: int, repeats: int) -> dict:
   work = ram_dir("snapstore-vs-orbax-")
   times: dict[str, dict[str, list[float]]] = {}
   try:
-    systems = _systems(work, mesh, abstract)
+    systems = [x for x in _systems(work, mesh, abstract) if only is None or x.name in only]
     for r in range(repeats + 1):  # round 0 warms up (allocation, compilation)
       for sys_ in systems:
         t = time.perf_counter()
@@ -155,7 +161,7 @@ def run(mb: int, repeats: int) -> dict:
   med = {name: {k: statistics.median(v) for k, v in row.items()} for name, row in times.items()}
   snap = med["snapstore"]
   ratios: dict[str, float] = {}
-  for other in ("orbax_snapshotter", "orbax_local_ramfs"):
+  for other in [n for n in med if n != "snapstore"]:
     for k in ("save_return_s", "save_complete_s", "restore_s"):
       ratios[f"{other}_over_snapstore_{k[:-2]}"] = med[other][k] / snap[k]
   return {"state_mb": nbytes / 2**20, "systems": med, "ratios": ratios}

@@ -37,6 +37,8 @@ def main() -> int:
   p.add_argument("--snapshots", type=int, default=1, help="0: GCS-only baseline")
   p.add_argument("--digest-restore", action=argparse.BooleanOptionalAction, default=True,
                  help="global state digest of the restored step")
+  p.add_argument("--min-step-s", type=float, default=0.0,
+                 help="pad each train step to this many seconds (a slower model)")
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
   a = p.parse_args()
@@ -67,6 +69,7 @@ def main() -> int:
             "started": started}
 
   def write() -> None:  # atomically: a SIGKILL must not leave a torn report
+    report["save_metrics"] = mgr.metrics.as_dict()
     write_atomic(out, json.dumps(report).encode())
   out = Path(a.out) / f"inc{inc}-host{host}.json"
   with snapstore.SnapshotManager(opts, persistent=a.persistent) as mgr:
@@ -80,16 +83,18 @@ def main() -> int:
         report["digests"][r.step] = digest(state)
     except snapstore.NothingToRestoreError:
       state, start = trainer.init_state(), 1
+    write()
     for s in range(start, a.steps + 1):
+      t_step = time.perf_counter()
       state, loss = trainer.step(state, s)
       report["losses"][s] = float(loss)
+      time.sleep(max(0.0, a.min_step_s - (time.perf_counter() - t_step)))
       mgr.save(s, state)
       report["times"][s] = time.time()
       if a.digest_every_step or s == a.steps:
         report["digests"][s] = digest(state)
       write()
     mgr.wait_until_finished()
-    report["save_metrics"] = mgr.metrics.as_dict()
   write()
   return 0
 

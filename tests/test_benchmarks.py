@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from benchmarks import capture, goodput, multihost, overhead, restore, rewind, vs_orbax
+from benchmarks import (capture, goodput, multihost, overhead, restore, rewind, vs_orbax,
+                        vs_orbax_snapshotter)
 
 
 def _run(module, argv, out):
@@ -48,6 +49,13 @@ def test_vs_orbax_benchmark_smoke(tmp_path):
   result = _run(vs_orbax, ["--mb", "4", "--repeats", "1"], tmp_path / "v.json")
   assert set(result["systems"]) == {"snapstore", "orbax_snapshotter", "orbax_local_ramfs"}
   assert len(result["ratios"]) == 6
+  _positive(*result["ratios"].values())
+
+
+def test_vs_orbax_snapshotter_benchmark_smoke(tmp_path):
+  result = _run(vs_orbax_snapshotter, ["--mb", "4", "--repeats", "1"], tmp_path / "v.json")
+  assert set(result["systems"]) == {"snapstore", "orbax_snapshotter"}
+  assert len(result["ratios"]) == 3
   _positive(*result["ratios"].values())
 
 

@@ -219,3 +219,28 @@ def test_pathwaysutils_workload_runs_with_snapstore_snapshotter(slices, store_di
   assert_bitwise_equal(expected, w.params)
   w.close()
   snap.close()
+
+
+def test_maxtext_config_mapping_and_hook(store_dir, tmp_path):
+  from snapstore.integrations.maxtext import SnapshotHook, options_from_config
+  config = {"run_name": "mt", "snapshot_interval": 2, "snapshot_keep": 3,
+            "snapshot_store_dir": str(store_dir), "checkpoint_period": 4,
+            "enable_checkpointing": True, "base_output_directory": str(tmp_path),
+            "elastic_min_slice_count": 1, "elastic_max_retries": 5}
+  snap, elastic, persistent = options_from_config(config)
+  assert (snap.interval, snap.keep, snap.run_id, snap.persistent_interval) == (2, 3, "mt", 4)
+  assert (elastic.elastic_min_slice_count, elastic.elastic_max_retries) == (1, 5)
+  assert persistent == f"{tmp_path}/mt/checkpoints"
+  devs = jax.devices()
+  hook = SnapshotHook.from_config(config)
+  state, start = hook.restore_or(lambda: make_state(devs, 0), abstract(devs))
+  assert start == 0
+  for step in range(1, 6):
+    state = make_state(devs, step)
+    hook.on_step(step, state)
+  hook.close()
+  hook = SnapshotHook.from_config(config)  # a restart
+  state, start = hook.restore_or(lambda: None, abstract(devs))
+  assert start == 5 and hook.last_restore.source.value == "snapshot"  # step 4
+  assert_bitwise_equal(host_copy(make_state(devs, 4)), state)
+  hook.close()
