@@ -20,6 +20,7 @@ def main() -> int:
   p.add_argument("--local", required=True)
   p.add_argument("--gcs", required=True)
   p.add_argument("--replicas", type=int, default=1)
+  p.add_argument("--step-s", type=float, default=0.0)
   a = p.parse_args()
   from snapstore.launch import init_from_env  # noqa: PLC0415
   host, num_hosts, _ = init_from_env()
@@ -54,7 +55,12 @@ def main() -> int:
       t = time.perf_counter()
       for _ in range(a.steps):
         step += 1
+        t_step = time.perf_counter()
         state = step_fn(state)
+        jax.block_until_ready(state)
+        # The rest of the step: the accelerator computing while the host's
+        # cores are free (a sleep, so the snapshot's copy may use them).
+        time.sleep(max(0.0, a.step_s - (time.perf_counter() - t_step)))
         if snap:
           mgr.save(step, state)
       jax.block_until_ready(state)

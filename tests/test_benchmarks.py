@@ -60,7 +60,8 @@ def test_vs_orbax_snapshotter_benchmark_smoke(tmp_path):
 
 
 def test_multihost_benchmark_smoke(tmp_path):
-  result = _run(multihost, ["--mb", "8", "--steps", "2", "--rounds", "1", "--repeats", "1"],
+  result = _run(multihost, ["--mb", "8", "--steps", "2", "--rounds", "1", "--repeats", "1",
+                           "--step-s", "0.05"],
                 tmp_path / "m.json")
   assert result["hosts"] == 4
   _positive(result["step_ratio"], result["orbax_local_vs_ram"], result["orbax_gcs_vs_ram"],

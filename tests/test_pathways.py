@@ -159,6 +159,10 @@ def test_without_the_cross_slice_copy_the_handler_falls_back_to_orbax(
 
 
 def test_snapshotter_keeps_single_device_leaves_and_keys(slices, store_dir):
+  from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter as Orbax
+  single = make_state(jax.devices(), 3)["single"]
+  with pytest.raises(AttributeError, match="mesh"):  # Orbax's own cannot save it
+    Orbax().save(3, {"single": single})
   s2d, _, _ = slices
   snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, keep=1), slices=s2d)
   state = make_state(jax.devices(), 3)
