@@ -162,17 +162,17 @@ def _plot(runs: dict[str, Any], kill_step: int, path: str) -> None:
   fig, ax = plt.subplots(figsize=(8, 4))
   for (name, run), color in zip(runs.items(), ("tab:green", "tab:red")):
     tl = run["timeline"]
-    t0 = tl["start"]
+    t0 = tl["kill"]  # both runs aligned at their SIGKILL
     for part, style in (("before", "."), ("after", "x")):
       pts = tl[part]
       ax.plot([t - t0 for _, t in pts], [s for s, _ in pts], style, ms=3, color=color,
               label=(f"{name}: restored step {run['restored_step']} ({run['source']}), "
                      f"rewind {run['rewind_steps']}") if part == "after" else None)
-    ax.axvline(tl["kill"] - t0, color=color, ls=":", lw=0.8)
     ax.axvline(tl["restart"] - t0, color=color, ls="--", lw=0.8)
+  ax.axvline(0, color="black", ls=":", lw=0.8)
   ax.axhline(kill_step, ls="--", color="grey", lw=0.8,
              label=f"SIGKILL host {KILLED_HOST} at step {kill_step}")
-  ax.set_xlabel("wall time since job start (s); dotted: kill, dashed: restart")
+  ax.set_xlabel("seconds from the SIGKILL (dotted); dashed: the job restarts")
   ax.set_ylabel("step")
   ax.legend(loc="lower right", fontsize=8)
   fig.tight_layout()
