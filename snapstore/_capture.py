@@ -108,16 +108,9 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       cap.scalars[i] = leaf
       continue
     if spec.kind is LeafKind.NUMPY:
-      # numpy leaves are mutable by the caller: copy now (they are small).
-      data = np.array(leaf, copy=True)
-      cap.pieces.append(Piece(i, tuple((0, d) for d in data.shape), data.nbytes))
-      cap.owners.append(host)
-      cap.sources.append(lambda d=data: d)
+      _add_numpy(cap, i, leaf, host)
       continue
-    arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
-    on_cpu = all(d.platform == "cpu" for d in arr.sharding.device_set)
-    if not on_cpu:
-      arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
+    arr, on_cpu = _staged(spec, leaf)
     mine = set()
     for piece, data in addressable_pieces(i, arr):
       mine.add(piece.index)
@@ -153,6 +146,24 @@ def _replicate(cap: Capture, transfers: Sequence[Transfer], *, step: int,
     for t, out in zip(group, outs):
       for piece, data in t.received(out):
         _add_replica(cap, t, piece, data)
+
+
+def _staged(spec: LeafSpec, leaf: Any) -> tuple[jax.Array, bool]:
+  """(the leaf as a plain array — key data for keys — staged to ``pinned_host``
+  memory by an async ``device_put`` on accelerators; whether it is on CPU)."""
+  arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+  on_cpu = all(d.platform == "cpu" for d in arr.sharding.device_set)
+  if not on_cpu:
+    arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
+  return arr, on_cpu
+
+
+def _add_numpy(cap: Capture, leaf_idx: int, leaf: Any, owner: int) -> None:
+  # numpy leaves are mutable by the caller: copy now (they are small).
+  data = np.array(leaf, copy=True)
+  cap.pieces.append(Piece(leaf_idx, tuple((0, n) for n in data.shape), data.nbytes))
+  cap.owners.append(owner)
+  cap.sources.append(lambda x=data: x)
 
 
 def _add_replica(cap: Capture, t: Transfer, piece: Piece, data: jax.Array) -> None:
@@ -236,14 +247,9 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     if spec.kind is LeafKind.NUMPY:
       data = np.array(leaf, copy=True)
       for d, cap in caps.items():
-        cap.pieces.append(Piece(i, tuple((0, n) for n in data.shape), data.nbytes))
-        cap.owners.append(d)
-        cap.sources.append(lambda x=data: x)
+        _add_numpy(cap, i, data, d)
       continue
-    arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
-    on_cpu = all(dev.platform == "cpu" for dev in arr.sharding.device_set)
-    if not on_cpu:
-      arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
+    arr, on_cpu = _staged(spec, leaf)
     shape = tuple(arr.shape)
     holders: dict[Any, dict[int, jax.Array]] = {}  # index -> domain -> data
     for shard in arr.addressable_shards:
