@@ -90,6 +90,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+  if Path("benchmarks", "__init__.py").exists() and "" not in sys.path:
+    sys.path.insert(0, "")  # the console script does not see the current folder
   try:
     mod = importlib.import_module(f"benchmarks.{args.name}")
   except ModuleNotFoundError as e:
