@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from benchmarks._common import cleanup, emit, ram_dir, setup_cpu_devices

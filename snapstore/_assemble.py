@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from ._capture import verify
-from ._layout import Index, LeafKind, LeafSpec
+from ._layout import Index, LeafKind, LeafSpec, wants_numpy
 from ._persistent import target_sharding
 from ._planner import Copy, CopyKey, StepPlan
 
@@ -100,9 +100,7 @@ Region = Callable[[Index], tuple[np.ndarray, bool]]
 def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Region) -> Any:
   """One restored leaf in the target's layout, cut region by region."""
   full = tuple((0, d) for d in spec.shape)
-  want_numpy = target_spec.kind is LeafKind.NUMPY or (
-      spec.kind is LeafKind.NUMPY and getattr(target, "sharding", None) is None)
-  if want_numpy:
+  if wants_numpy(spec, target_spec, target):
     arr, fresh = region(full)
     arr = arr if fresh else np.array(arr, copy=True)
     return arr[()] if isinstance(target, np.generic) else arr

@@ -245,9 +245,8 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
         cap.scalars[i] = leaf
       continue
     if spec.kind is LeafKind.NUMPY:
-      data = np.array(leaf, copy=True)
       for d, cap in caps.items():
-        _add_numpy(cap, i, data, d)
+        _add_numpy(cap, i, leaf, d)
       continue
     arr, on_cpu = _staged(spec, leaf)
     shape = tuple(arr.shape)

@@ -22,7 +22,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any

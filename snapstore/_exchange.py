@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._layout import Index, LeafKind, LeafSpec, batches
+from ._layout import Index
 from ._manifest import Manifest, decode, encode
 from ._planner import Copy, StepPlan
 
@@ -111,8 +111,3 @@ def gather_bad(local_bad: Sequence[tuple[int, int, int, Index]]) -> list[Any]:
     for h, s, lf, idx in msgpack.unpackb(blob):
       out.append((h, s, lf, tuple(tuple(r) for r in idx)))
   return out
-
-
-def is_numpy_target(spec: LeafSpec, target_spec: LeafSpec, target: Any) -> bool:
-  return target_spec.kind is LeafKind.NUMPY or (
-      spec.kind is LeafKind.NUMPY and getattr(target, "sharding", None) is None)

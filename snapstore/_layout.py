@@ -191,3 +191,10 @@ def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
     out[-1].append(i)
     used += n
   return out
+
+
+def wants_numpy(saved: LeafSpec, target_spec: LeafSpec, target: Any) -> bool:
+  """True if a restored leaf goes back as a host numpy array: the target asks
+  for one, or a numpy leaf was saved and the target carries no sharding."""
+  return target_spec.kind is LeafKind.NUMPY or (
+      saved.kind is LeafKind.NUMPY and getattr(target, "sharding", None) is None)

@@ -20,7 +20,8 @@ import numpy as np
 from . import _capture, _exchange, _faults, _planner, errors
 from ._assemble import Assembler, BadCopy, build_leaf, full_region
 from ._hoststore import HostStore, align, host_dir
-from ._layout import LeafKind, batches, check_compatible, flatten, tree_digest
+from ._layout import (LeafKind, batches, check_compatible, flatten, tree_digest,
+                      wants_numpy)
 from ._manifest import Manifest, PieceRecord, check_extra, write_atomic
 from ._persistent import OrbaxTier, target_sharding
 from ._placement import host_domains
@@ -372,7 +373,7 @@ class SnapshotManager:
       if spec.kind is LeafKind.SCALAR:
         out[pos] = plan.scalars.get(li)
         continue
-      sharding = (replicated if _exchange.is_numpy_target(spec, tspec, target)
+      sharding = (replicated if wants_numpy(spec, tspec, target)
                   else target_sharding(target))
       if _exchange.locally_coverable(plan, li, sharding, spec.shape):
         out[pos] = assembler.leaf(li, tspec, target)

@@ -118,8 +118,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
            shrink_to: int | None = None, max_incarnations: int = 3,
            timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
            env: dict[str, str] | None = None,
-           between: Callable[[Incarnation], None] | None = None,
-           on_start: Callable[[Incarnation], None] | None = None) -> list[Incarnation]:
+           between: Callable[[Incarnation], None] | None = None) -> list[Incarnation]:
   """Runs ``python -m module args`` on ``num_hosts`` local processes until all
   exit 0, restarting the whole job after a failure.
 
@@ -155,8 +154,6 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
              if log_dir else subprocess.DEVNULL)
       procs[h] = subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
                                   stdout=log, stderr=subprocess.STDOUT)
-    if on_start is not None:
-      on_start(inc)
     failed = False
     while procs.keys() - inc.exit_codes.keys():
       if time.monotonic() > deadline:

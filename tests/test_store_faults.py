@@ -4,11 +4,9 @@ import logging
 import shutil
 
 import jax
-import numpy as np
 import pytest
 
 import snapstore
-from snapstore._hoststore import host_dir
 from snapstore._manifest import decode, encode
 from snapstore.example import ModelConfig, Trainer
 from tests.helpers import assert_bitwise_equal, host_copy
