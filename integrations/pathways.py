@@ -131,6 +131,7 @@ class ElasticTrainer:
     def attempt() -> Any:
       self._attempt += 1
       devices = self.active_devices()
+      self.snapshots.set_active_domains(sorted(self.elastic.active_slice_indices))
       try:
         restored = self.snapshots.restore(abstract_state(devices))
       except NothingToRestoreError:
@@ -194,8 +195,8 @@ class Snapshotter:
                slices: Slices | None = None):
     self.replica_axis_index = replica_axis_index
     opts = options or SnapshotOptions(interval=1, keep=1, run_id="snapshotter")
-    self._mgr = SnapshotManager(opts, persistent=persistent,
-                                slices=slices if slices is not None else slices_of(jax.devices()))
+    self._slices = slices if slices is not None else slices_of(jax.devices())
+    self._mgr = SnapshotManager(opts, persistent=persistent, slices=self._slices)
     self.last_restore: RestoreResult | None = None
 
   @property
@@ -218,6 +219,11 @@ class Snapshotter:
       self.last_restore = self._mgr.restore(abstract_state)
     except NothingToRestoreError as e:
       raise RuntimeError(f"No snapshots available to restore from: {e}") from e
+    # The slices the state now lives on are up: later snapshots use them.
+    devices = {d for x in jax.tree.leaves(self.last_restore.state)
+               if isinstance(x, jax.Array) for d in x.sharding.device_set}
+    self._mgr.set_active_domains(sorted({k for k, devs in self._slices.items()
+                                         if devices & set(devs)}))
     return self.last_restore.state
 
   def join(self) -> None:

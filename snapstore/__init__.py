@@ -17,6 +17,7 @@ from .metrics import SaveMetrics as SaveMetrics
 from .metrics import Source as Source
 from .options import BusyPolicy as BusyPolicy
 from .options import SnapshotOptions as SnapshotOptions
+from .options import StoreKind as StoreKind
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,6 @@ __all__ = [
     "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError",
     "NothingToRestoreError", "OrbaxTier", "RestoreResult", "SaveMetrics",
     "SnapshotInProgressError", "SnapshotManager", "SnapshotOptions",
-    "SnapstoreError", "Source", "StepNotFoundError", "TreeMismatchError",
+    "SnapstoreError", "Source", "StepNotFoundError", "StoreKind", "TreeMismatchError",
     "errors",
 ]

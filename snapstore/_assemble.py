@@ -27,13 +27,14 @@ Reader = Callable[[Copy], np.ndarray]
 class BadCopy(Exception):
   """A stored copy failed verification (internal; the manager re-plans)."""
 
-  def __init__(self, key: CopyKey, leaf: str):
-    super().__init__(f"checksum mismatch in leaf {leaf!r} held by host {key[0]}")
+  def __init__(self, key: CopyKey, leaf: str, *, why: str = "checksum mismatch",
+               holder: str | None = None):
+    super().__init__(f"{why} in leaf {leaf!r} held by {holder or f'host {key[0]}'}")
     self.key = key
     self.leaf = leaf
 
 
-def _overlap(a: Index, b: Index) -> Index | None:
+def overlap(a: Index, b: Index) -> Index | None:
   out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
   return out if all(lo < hi for lo, hi in out) or not out else None
 
@@ -49,6 +50,8 @@ class Assembler:
     self._pool = pool
     self._verified: dict[tuple[int, Index], np.ndarray] = {}
     self.bytes_read = 0
+    self.notes: list[str] = []  # bad copies passed over (none: BadCopy re-plans)
+    self.bad_keys: set[CopyKey] = set()
 
   def piece(self, leaf: int, index: Index) -> np.ndarray:
     """The verified bytes of piece (leaf, index), typed and shaped."""
@@ -74,7 +77,7 @@ class Assembler:
     spec = self.plan.specs[leaf]
     out = np.empty(tuple(b - a for a, b in index), spec.np_dtype)
     for pidx in pieces:
-      ov = _overlap(pidx, index)
+      ov = overlap(pidx, index)
       if ov is None:
         continue
       src = self.piece(leaf, pidx)

@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 
 import numpy as np
 
-from . import _capture, _exchange, _faults, _planner, errors
+from . import _capture, _exchange, _faults, _pinnedstore, _planner, errors
 from ._assemble import Assembler, BadCopy, build_leaf, full_region
 from ._hoststore import HostStore, align, host_dir
 from ._layout import (LeafKind, batches, check_compatible, flatten, tree_digest,
@@ -26,7 +26,7 @@ from ._manifest import Manifest, PieceRecord, check_extra, write_atomic
 from ._persistent import OrbaxTier, target_sharding
 from ._placement import host_domains
 from .metrics import RestoreResult, SaveMetrics, Source
-from .options import BusyPolicy, SnapshotOptions
+from .options import BusyPolicy, SnapshotOptions, StoreKind
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +64,19 @@ class SnapshotManager:
         raise ValueError("slices= is for a single controller (one process); with "
                          "jax.distributed each process keeps its own host store")
       self._domain_of = {d: k for k, devs in slices.items() for d in devs}
+    self.store_kind = _store_kind(self.options.store, slices)
+    self._slices = {k: list(v) for k, v in slices.items()} if slices is not None else None
+    self._down: set[int] = set()  # slices lost and not reported back (single controller)
     ids = sorted(slices) if slices is not None else [self.host]
-    self.stores = {i: HostStore(
-        host_dir(self.options.store_dir, self.options.run_id, i),
-        run_id=self.options.run_id, host=i, keep=self.options.keep,
-        budget_bytes=self.options.budget_bytes) for i in ids}
+    self.stores: dict[int, HostStore | _pinnedstore.PinnedHostStore]
+    if self.store_kind is StoreKind.PINNED_HOST:
+      self.stores = {i: _pinnedstore.PinnedHostStore(
+          i, keep=self.options.keep, budget_bytes=self.options.budget_bytes) for i in ids}
+    else:
+      self.stores = {i: HostStore(
+          host_dir(self.options.store_dir, self.options.run_id, i),
+          run_id=self.options.run_id, host=i, keep=self.options.keep,
+          budget_bytes=self.options.budget_bytes) for i in ids}
     if persistent is None or isinstance(persistent, OrbaxTier):
       self.persistent = persistent
     else:
@@ -133,6 +141,29 @@ class SnapshotManager:
       self.metrics.wait_seconds += time.perf_counter() - t
     self._raise_drain_error()
     t0 = time.perf_counter()
+    base = dict(run_id=self.options.run_id, incarnation=self.incarnation, step=step,
+                num_hosts=max(self.num_hosts, len(self.stores)),
+                tree_digest=tree_digest(specs), chunk_bytes=self.options.chunk_bytes,
+                leaves=tuple(specs), extra=extra)
+    if self.store_kind is StoreKind.PINNED_HOST:
+      def make_room(nbytes: Mapping[int, int]) -> None:
+        for sid, n in nbytes.items():
+          self.stores[sid].plan_slots(n)
+          self.stores[sid].make_room(step)
+      live = {k: v for k, v in self._slices.items() if k not in self._down}
+      pcap = _pinnedstore.capture(specs, leaves, slices=live,
+                                  replicas=self.options.replicas, step=step,
+                                  before_dispatch=make_room)
+      self._inflight = self._drainer.submit(self._drain_pinned, pcap, base)
+    else:
+      self._start_host_files(step, specs, leaves, base)
+    self.metrics.snapshots_started += 1
+    self.metrics.capture_seconds = time.perf_counter() - t0
+    self.metrics.capture_seconds_total += self.metrics.capture_seconds
+    return True
+
+  def _start_host_files(self, step: int, specs: list[Any], leaves: list[Any],
+                        base: dict[str, Any]) -> None:
     if self._domain_of is not None:
       caps = _capture.capture_by_domain(specs, leaves, domain_of=self._domain_of,
                                         replicas=self.options.replicas, step=step)
@@ -148,16 +179,9 @@ class SnapshotManager:
       for m in store.manifests():
         if m.slot == slot:
           store.delete(m.step, f"slot {slot} reused for step {step}")
-      jobs.append((store, cap, slot, dict(
-          run_id=self.options.run_id, incarnation=self.incarnation, step=step,
-          host=sid, num_hosts=max(self.num_hosts, len(self.stores)),
-          tree_digest=tree_digest(specs), slot=slot, chunk_bytes=self.options.chunk_bytes,
-          leaves=tuple(specs), scalars=dict(cap.scalars), extra=extra)))
-    self.metrics.snapshots_started += 1
+      jobs.append((store, cap, slot, dict(base, host=sid, slot=slot,
+                                          scalars=dict(cap.scalars))))
     self._inflight = self._drainer.submit(self._drain, jobs)
-    self.metrics.capture_seconds = time.perf_counter() - t0
-    self.metrics.capture_seconds_total += self.metrics.capture_seconds
-    return True
 
   def _drain(self, jobs: list[tuple[HostStore, _capture.Capture, int, dict[str, Any]]]
              ) -> None:
@@ -177,7 +201,25 @@ class SnapshotManager:
     self.metrics.drain_seconds = time.perf_counter() - t0
     self.metrics.drain_seconds_total += self.metrics.drain_seconds
 
-  def _retain(self, store: HostStore) -> None:
+  def _drain_pinned(self, cap: _pinnedstore.PinnedCapture, base: dict[str, Any]) -> None:
+    t0 = time.perf_counter()
+    cap.wait()
+    nbytes = 0
+    for sid in cap.pieces:
+      store = self.stores[sid]
+      pieces = tuple(PieceRecord(p.leaf, p.index, pos, p.nbytes, ck, owner)
+                     for pos, ((p, owner), ck) in enumerate(
+                         zip(cap.pieces[sid], cap.checksums(sid))))
+      nbytes += cap.nbytes(sid)
+      store.commit(Manifest(pieces=pieces, created=time.time(), host=sid, slot=base["step"],
+                            scalars=dict(cap.scalars), **base), cap.arrays[sid])
+      self._retain(store)
+    self.metrics.snapshots_committed += 1
+    self.metrics.bytes_snapshotted += nbytes
+    self.metrics.drain_seconds = time.perf_counter() - t0
+    self.metrics.drain_seconds_total += self.metrics.drain_seconds
+
+  def _retain(self, store: HostStore | _pinnedstore.PinnedHostStore) -> None:
     ms = store.manifests()
     valid = _planner.fence(ms)
     for m in ms:
@@ -188,7 +230,7 @@ class SnapshotManager:
       store.delete(m.step, f"retention keeps {keep}")
 
   @property
-  def store(self) -> HostStore:
+  def store(self) -> HostStore | _pinnedstore.PinnedHostStore:
     """This host's store (the first domain's, on a single controller)."""
     return self.stores.get(self.host) or next(iter(self.stores.values()))
 
@@ -202,6 +244,12 @@ class SnapshotManager:
       if d in self.stores:
         logger.warning("slice %d: its host-RAM snapshots are lost (%s)", d, reason)
         self.stores[d].wipe()
+      self._down.add(d)
+
+  def set_active_domains(self, domains: Sequence[int]) -> None:
+    """Single controller: the slices that are up now. Snapshots (and their
+    cross-slice copies) go to these only, until the next call."""
+    self._down = set(self.stores) - set(domains)
 
   def _raise_drain_error(self) -> None:
     f = self._inflight
@@ -288,16 +336,23 @@ class SnapshotManager:
           continue
         leaves = self._assemble_multihost(plan, assembler, target_specs, targets)
       else:
-        assembler = Assembler(plan, self._reader, pool=self._copy_pool)
+        assembler = (_pinnedstore.PinnedAssembler(plan, self.stores)
+                     if self.store_kind is StoreKind.PINNED_HOST
+                     else Assembler(plan, self._reader, pool=self._copy_pool))
         _faults.point("restore", plan.step)
         try:
           leaves = assembler.tree(target_specs, targets)
         except BadCopy as e:
+          bad.add(e.key)
+          bad.update(assembler.bad_keys)
+          notes.extend(assembler.notes[:-1])
           note = f"step {plan.step}: {e}; using another copy or an older step"
           logger.warning(note)
           notes.append(note)
-          bad.add(e.key)
           continue
+        for note in assembler.notes:
+          logger.warning(note)
+        notes.extend(assembler.notes)
       timings["read"] = time.perf_counter() - t
       timings["total"] = time.perf_counter() - t0
       read = {"snapshot": assembler.bytes_read}
@@ -310,8 +365,10 @@ class SnapshotManager:
     if not persistent_steps_ok:
       where = self.persistent.directory if self.persistent else "no persistent tier"
       what = f"step {step}" if step is not None else "any step"
+      held = (f"the {self.store_kind.value} stores of slices {sorted(self.stores)}"
+              if self.store_kind is StoreKind.PINNED_HOST else self.store.root.parent)
       raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(
-          f"no complete snapshot of {what} in {self.store.root.parent} and no committed "
+          f"no complete snapshot of {what} in {held} and no committed "
           f"checkpoint in {where}. Nothing was deleted; start from scratch, or "
           "point store_dir/run_id/persistent at the run to resume.")
     pstep = persistent_steps_ok[-1]
@@ -437,3 +494,18 @@ class SnapshotManager:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+def _store_kind(kind: StoreKind, slices: Mapping[int, Sequence[jax.Device]] | None
+                ) -> StoreKind:
+  """Resolves ``StoreKind.AUTO``; rejects a pinned-host store without slices."""
+  if kind is StoreKind.PINNED_HOST and slices is None:
+    raise ValueError(
+        "the pinned_host store is for a single controller: pass slices= (failure "
+        "domain -> devices). With jax.distributed, host files outlive the process "
+        "that wrote them; pinned host memory does not.")
+  if kind is StoreKind.AUTO:
+    devices = [d for devs in (slices or {}).values() for d in devs]
+    pinned = slices is not None and _pinnedstore.supports_pinned_host(devices)
+    return StoreKind.PINNED_HOST if pinned else StoreKind.HOST_FILES
+  return kind

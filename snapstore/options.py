@@ -18,6 +18,15 @@ class BusyPolicy(enum.Enum):
   SKIP = "skip"  # do not snapshot this step; counted in ``metrics.skipped``.
 
 
+class StoreKind(enum.Enum):
+  """Where snapshots live."""
+
+  AUTO = "auto"                # PINNED_HOST for a single controller with slices=
+                               # whose devices have pinned_host memory, else HOST_FILES
+  HOST_FILES = "host_files"    # files on a RAM disk, written by each process
+  PINNED_HOST = "pinned_host"  # pinned_host jax.Arrays on each slice's hosts
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SnapshotOptions:
   """How often, how many and where snapshots are kept.
@@ -25,8 +34,9 @@ class SnapshotOptions:
   Attributes:
     interval: take a snapshot every ``interval`` steps (``step % interval == 0``).
     keep: newest complete snapshots kept in the host store.
-    budget_bytes: byte budget of this host's store (``None``: no budget beyond
-      the free space of ``store_dir``). One snapshot being written plus the
+    budget_bytes: byte budget of this host's store, or of each slice's
+      pinned-host store (``None``: no budget beyond the free space of
+      ``store_dir``, or of the hosts' memory). One snapshot being written plus the
       newest complete one must fit, so the budget must hold two snapshots.
     store_dir: a directory on a RAM-backed filesystem; the store of this run
       lives in ``<store_dir>/<run_id>/host-<process index>/``.
@@ -39,6 +49,9 @@ class SnapshotOptions:
     replicas: copies of each shard kept in other failure domains (multi-host).
     hosts_per_domain: hosts that fail together, where devices carry no
       ``slice_index`` (``None``: one domain per host).
+    store: where snapshots live (:class:`StoreKind`); ``AUTO`` picks the
+      pinned-host store on a single controller given ``slices=`` (Pathways),
+      host files otherwise.
     incarnation: this job's incarnation (restart count); ``None`` takes
       ``$SNAPSTORE_INCARNATION`` (set by ``snapstore launch``), else one more
       than the newest in the stores (agreed across hosts).
@@ -56,6 +69,7 @@ class SnapshotOptions:
   replicas: int = 1
   hosts_per_domain: int | None = None
   incarnation: int | None = None
+  store: StoreKind = StoreKind.AUTO
 
   def __post_init__(self):
     _positive("interval", self.interval)
@@ -79,6 +93,8 @@ class SnapshotOptions:
       raise ValueError(f"replicas must be >= 0, got {self.replicas}")
     if self.hosts_per_domain is not None:
       _positive("hosts_per_domain", self.hosts_per_domain)
+    if not isinstance(self.store, StoreKind):
+      raise TypeError(f"store must be a StoreKind, got {self.store!r}")
     if self.incarnation is not None and self.incarnation < 0:
       raise ValueError(f"incarnation must be >= 0, got {self.incarnation}")
 

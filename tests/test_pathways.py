@@ -18,7 +18,7 @@ from pathwaysutils.elastic import elastic as pw_elastic
 from pathwaysutils.elastic.manager import Manager
 from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
-from snapstore import BusyPolicy, SnapshotOptions
+from snapstore import BusyPolicy, SnapshotOptions, StoreKind
 from snapstore.integrations.pathways import ElasticOptions, ElasticTrainer, Snapshotter
 from tests.helpers import assert_bitwise_equal, host_copy
 
@@ -176,19 +176,25 @@ def test_snapshotter_keeps_single_device_leaves_and_keys(slices, store_dir):
   snap.close()
 
 
-def test_save_never_drops_a_step_silently(store_dir, monkeypatch):
-  from snapstore import _capture
+@pytest.mark.parametrize("store", [StoreKind.PINNED_HOST, StoreKind.HOST_FILES])
+def test_save_never_drops_a_step_silently(store, store_dir, monkeypatch):
+  from snapstore import _capture, _pinnedstore
   slow = threading.Event()
-  real_drain = _capture.drain
+  real_drain, real_wait = _capture.drain, _pinnedstore.PinnedCapture.wait
 
   def slow_drain(*a, **k):
     slow.wait(2)
     return real_drain(*a, **k)
+
+  def slow_wait(self):
+    slow.wait(2)
+    return real_wait(self)
   monkeypatch.setattr(_capture, "drain", slow_drain)
+  monkeypatch.setattr(_pinnedstore.PinnedCapture, "wait", slow_wait)
   devs = jax.devices()
   for policy in (BusyPolicy.SKIP, BusyPolicy.WAIT):
     snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, run_id=policy.value,
-                                               keep=2, busy_policy=policy),
+                                               keep=2, busy_policy=policy, store=store),
                        slices={0: devs[:4], 1: devs[4:]})
     snap.save(1, make_state(devs, 1))
     snap.save(2, make_state(devs, 2))  # the first is still draining
