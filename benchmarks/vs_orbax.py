@@ -5,9 +5,11 @@
 replicated over ``replica`` (data parallelism over two slices). For each
 system, ``--repeats`` rounds, interleaved:
 
-* ``snapstore``: its Orbax-compatible ``Snapshotter`` (one store per slice):
-  ``save`` (returns once the buffers are safe), ``join`` (copied,
-  checksummed, committed), ``load``;
+* ``snapstore``: its Orbax-compatible ``Snapshotter`` (one pinned-host store
+  per slice): ``save`` (returns once the copies are dispatched), ``join``
+  (copied, checksummed on device, committed), ``load`` (verified on device);
+* ``snapstore_host_files``: the same with ``StoreKind.HOST_FILES`` (files on
+  /dev/shm, crc32c on the host), the multi-controller store;
 * ``orbax_snapshotter``: Orbax v1 ``Snapshotter`` (pinned-host copies split by
   the replica axis): ``save``, ``join``, ``load``;
 * ``orbax_local_ramfs``: the local tier of Orbax's emergency checkpointing,
@@ -47,14 +49,16 @@ def _systems(work: Any, mesh: Any, abstract: Any) -> list[Any]:
 
   class Snap(_System):
     # snapstore's drop-in Snapshotter: one store per slice (the two rows of
-    # the mesh), as on Pathways.
-    name = "snapstore"
-
-    def __init__(self):
+    # the mesh), as on Pathways: pinned_host arrays (the default with
+    # slices), or host files for comparison.
+    def __init__(self, store=snapstore.StoreKind.PINNED_HOST):
       from snapstore.integrations.pathways import Snapshotter as SnapstoreSnapshotter  # noqa: PLC0415
+      self.name = ("snapstore" if store is snapstore.StoreKind.PINNED_HOST
+                   else f"snapstore_{store.value}")
       rows = mesh.devices
       self.s = SnapstoreSnapshotter(
-          options=snapstore.SnapshotOptions(store_dir=work / "snapstore", keep=1),
+          options=snapstore.SnapshotOptions(store_dir=work / "snapstore", keep=1,
+                                            store=store, run_id=store.value),
           slices={k: list(rows[k]) for k in range(rows.shape[0])})
 
     def save(self, step, state):
@@ -112,7 +116,7 @@ def _systems(work: Any, mesh: Any, abstract: Any) -> list[Any]:
     def close(self):
       self.m.close()
 
-  return [Snap(), OrbaxSnapshotter(), OrbaxRamfs()]
+  return [Snap(), Snap(snapstore.StoreKind.HOST_FILES), OrbaxSnapshotter(), OrbaxRamfs()]
 
 
 def run(mb: int, repeats: int, only: Sequence[str] | None = None) -> dict:

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.vs_orbax_snapshotter --mb 256``: the two rows of
 ``benchmarks.vs_orbax`` that compare the Pathways snapshotters (8 CPU
-devices as 2 slices): save return, save complete and load times, and the
+devices as 2 slices; snapstore with its pinned-host store and with host files): save return, save complete and load times, and the
 ratios Orbax / snapstore (>1: snapstore is faster).
 """
 
@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = p.parse_args(argv)
   setup_cpu_devices(8)
   emit("vs_orbax_snapshotter",
-       run(args.mb, args.repeats, only=("snapstore", "orbax_snapshotter")), args.out)
+       run(args.mb, args.repeats, only=("snapstore", "snapstore_host_files", "orbax_snapshotter")), args.out)
   return 0
 
 

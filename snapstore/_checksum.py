@@ -1,9 +1,12 @@
-"""An integrity check that runs where the bytes are: on the device.
+"""Integrity checks for the pinned-host store, computed where the bytes are.
 
-The pinned-host store's copies live in the TPU hosts' RAM, which a single
-controller cannot read without moving them, so crc32c on the controller does
-not fit. Instead each shard gets a 64-bit sum computed by XLA on its device at
-capture, and again on the device that receives the copy at restore.
+* ``host``: crc32c of the pinned buffer itself, where the controller can
+  address it without a copy (CPU devices: ``np.asarray`` of a ``pinned_host``
+  array is a view of its buffer). Fast (hardware crc32c).
+* ``device``: the pinned copies live in the TPU hosts' RAM, which a single
+  controller cannot read without moving them, so each shard gets a 64-bit sum
+  computed by XLA on its device at capture, and again on the device that
+  receives the copy at restore. Defined below.
 
 Definition: the shard is read as a sequence of uint32 lanes ``u[i]`` (one per
 element, zero-extended, for 1-, 2- and 4-byte dtypes; two per element for
@@ -22,13 +25,14 @@ from __future__ import annotations
 
 import functools
 
+import crc32c
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-Checksum = tuple[int, int]
+Checksum = tuple[int, ...]
 
 _GOLDEN = 0x9E3779B9
 _SEEDS = (0x243F6A88, 0x85A308D3)
@@ -104,6 +108,11 @@ def host_checksum(a: np.ndarray) -> Checksum:
   a0, a1 = (int(_fmix(u + pos + np.uint32(s), np.uint32).sum(dtype=np.uint32))
             for s in _SEEDS)
   return a0, a1
+
+
+def host_crc(a: np.ndarray) -> Checksum:
+  """crc32c of a host buffer (a 1-tuple, to sit beside the device sums)."""
+  return (crc32c.crc32c(np.ascontiguousarray(a).reshape(-1).view(np.uint8)),)
 
 
 def as_checksum(x: jax.Array | np.ndarray) -> Checksum:

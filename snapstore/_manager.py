@@ -67,6 +67,9 @@ class SnapshotManager:
     self.store_kind = _store_kind(self.options.store, slices)
     self._slices = {k: list(v) for k, v in slices.items()} if slices is not None else None
     self._down: set[int] = set()  # slices lost and not reported back (single controller)
+    self._integrity = self.options.pinned_checksum
+    if self._integrity == "auto" and slices is not None:
+      self._integrity = _pinnedstore.integrity_for([d for v in slices.values() for d in v])
     ids = sorted(slices) if slices is not None else [self.host]
     self.stores: dict[int, HostStore | _pinnedstore.PinnedHostStore]
     if self.store_kind is StoreKind.PINNED_HOST:
@@ -153,6 +156,7 @@ class SnapshotManager:
       live = {k: v for k, v in self._slices.items() if k not in self._down}
       pcap = _pinnedstore.capture(specs, leaves, slices=live,
                                   replicas=self.options.replicas, step=step,
+                                  integrity=self._integrity,
                                   before_dispatch=make_room)
       self._inflight = self._drainer.submit(self._drain_pinned, pcap, base)
     else:

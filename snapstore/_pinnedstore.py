@@ -8,7 +8,9 @@ device of the domain (slice) that keeps it: its own shards, plus a copy of
 each shard that has no data-parallel twin on the next domains in ring order.
 Losing a slice loses exactly the arrays on its devices; the other domains'
 arrays stay valid. Nothing crosses to the controller on save or restore but
-two uint32 checksums per piece (:mod:`._checksum`, computed on device).
+the checksums (:mod:`._checksum`): computed on the device where the
+controller cannot address the pinned memory (TPU, GPU), crc32c of the pinned
+buffer where it can (CPU).
 
 Each domain's store mirrors :class:`._hoststore.HostStore`: manifests (in this
 process's memory; ``PieceRecord.offset`` is the piece's position in the
@@ -27,12 +29,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from . import _faults, errors
 from ._assemble import BadCopy, build_leaf, overlap
-from ._checksum import (Checksum, as_checksum, device_checksum, host_checksum,
-                        shard_checksums)
+from ._checksum import Checksum, as_checksum, device_checksum, host_crc, shard_checksums
 from ._layout import Index, LeafKind, LeafSpec, Piece, normalize_index, wants_numpy
 from ._manifest import Manifest
 from ._persistent import target_sharding
@@ -42,6 +43,12 @@ logger = logging.getLogger(__name__)
 
 PINNED = "pinned_host"
 Stored = jax.Array | np.ndarray
+HOST, DEVICE = "host", "device"  # where checksums are computed
+
+
+def integrity_for(devices: Sequence[jax.Device]) -> str:
+  """``host`` where the controller addresses pinned memory in place (CPU)."""
+  return HOST if all(d.platform == "cpu" for d in devices) else DEVICE
 
 
 def supports_pinned_host(devices: Sequence[jax.Device]) -> bool:
@@ -156,7 +163,7 @@ class PinnedCapture:
 
 def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
             slices: Mapping[int, Sequence[jax.Device]], replicas: int,
-            step: int = -1,
+            step: int = -1, integrity: str = DEVICE,
             before_dispatch: Callable[[dict[int, int]], None] = lambda nbytes: None
             ) -> PinnedCapture:
   """Dispatches ``pinned_host`` copies of every piece to the domains that keep
@@ -166,63 +173,179 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   ``before_dispatch(bytes per domain)`` runs before any memory is taken: it
   may raise (over budget) or evict older snapshots.
   """
-  order = sorted(slices)
-  domain_of = {d: k for k, devs in slices.items() for d in devs}
-  position = {d: i for devs in slices.values() for i, d in enumerate(devs)}
-  cap = PinnedCapture({k: [] for k in order}, {k: [] for k in order}, {}, {})
-  srcs: list[jax.Array] = []
-  dsts: list[SingleDeviceSharding] = []
-  slots: list[tuple[int, int]] = []  # (domain, position in its list) per put
+  ring = _Ring(slices)
+  cap = PinnedCapture({k: [] for k in ring.order}, {k: [] for k in ring.order}, {}, {})
+  planned: list[tuple[int, jax.Array, _LeafPlan]] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
     if i == len(specs) // 2:
       _faults.point("capture", step)
     if spec.kind is LeafKind.SCALAR:
       cap.scalars[i] = leaf
-      continue
-    if spec.kind is LeafKind.NUMPY:
+    elif spec.kind is LeafKind.NUMPY:
       data = np.array(leaf, copy=True)  # the caller may mutate it
       index = tuple((0, n) for n in data.shape)
-      ck = host_checksum(data)
+      ck = host_crc(data)
       cap.sums[(i, index)] = lambda c=ck: c
-      for k in order:
-        cap.pieces[k].append((Piece(i, index, data.nbytes), order[0]))
+      for k in ring.order:
+        cap.pieces[k].append((Piece(i, index, data.nbytes), ring.order[0]))
         cap.arrays[k].append(data)
-      continue
-    arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+    else:
+      arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+      plan = _LeafPlan.of(spec, arr, ring, replicas)
+      for (index, d), owner in plan.keep.items():
+        cap.pieces[d].append((Piece(i, index, plan.nbytes(index)), owner))
+        cap.arrays[d].append(None)  # filled at dispatch
+      planned.append((i, arr, plan))
+  before_dispatch({d: cap.nbytes(d) for d in ring.order})
+  slot = {(p.leaf, p.index, d): n for d, ps in cap.pieces.items() for n, (p, _) in enumerate(ps)}
+  for i, arr, plan in planned:
+    per_shard = shard_checksums(arr) if integrity == DEVICE else None
+    for (index, d), copy in plan.dispatch(arr, ring).items():
+      cap.arrays[d][slot[(i, index, d)]] = copy
+    for index, src in plan.sources.items():
+      first = min(d for (idx, d) in plan.keep if idx == index)
+      cap.sums[(i, index)] = (_pending_sum(src, per_shard) if integrity == DEVICE
+                              else _host_sum(cap, first, slot[(i, index, first)]))
+  return cap
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """Failure domains in ring order, and each device's place in its domain."""
+
+  slices: Mapping[int, Sequence[jax.Device]]
+
+  @property
+  def order(self) -> list[int]:
+    return sorted(self.slices)
+
+  def domain(self, device: jax.Device) -> int:
+    for k, devs in self.slices.items():
+      if device in devs:
+        return k
+    raise KeyError(device)
+
+  def shifted(self, device: jax.Device, k: int) -> jax.Device | None:
+    """The device at the same place ``k`` domains further on the ring."""
+    d = self.domain(device)
+    pos = list(self.slices[d]).index(device)
+    target = self.slices[self.order[(self.order.index(d) + k) % len(self.order)]]
+    return target[pos] if pos < len(target) else None
+
+
+@dataclasses.dataclass
+class _LeafPlan:
+  """Which (index, domain) copies one leaf needs, and from where."""
+
+  spec: LeafSpec
+  itemsize: int
+  holders: dict[Index, dict[int, jax.Array]]  # index -> domain -> its shard data
+  keep: dict[tuple[Index, int], int]          # (index, domain) -> owner domain
+  sources: dict[Index, jax.Array]             # index -> the owner's shard
+
+  @classmethod
+  def of(cls, spec: LeafSpec, arr: jax.Array, ring: _Ring, replicas: int) -> _LeafPlan:
     shape = tuple(arr.shape)
-    per_shard = shard_checksums(arr)
-    holders: dict[Index, dict[int, jax.Array]] = {}  # index -> domain -> shard data
+    holders: dict[Index, dict[int, jax.Array]] = {}
     for shard in arr.addressable_shards:
-      if shard.device not in domain_of:
+      try:
+        d = ring.domain(shard.device)
+      except KeyError:
         raise ValueError(f"leaf {spec.path!r} has a shard on {shard.device}, which is in "
-                         "no slice that is up; snapshots go to the active slices only")
-      index = normalize_index(shard.index, shape)
-      holders.setdefault(index, {}).setdefault(domain_of[shard.device], shard.data)
+                         "no slice that is up; snapshots go to the active slices only"
+                         ) from None
+      holders.setdefault(normalize_index(shard.index, shape), {}).setdefault(d, shard.data)
+    keep: dict[tuple[Index, int], int] = {}
+    sources = {}
+    order = ring.order
     for index, by_domain in holders.items():
       owner = min(by_domain)
-      src = by_domain[owner]
-      cap.sums[(i, index)] = _pending_sum(src, per_shard)
-      keepers = dict(by_domain)
+      sources[index] = by_domain[owner]
+      keepers = set(by_domain)
       k = order.index(owner)
       while len(keepers) < min(1 + replicas, len(order)):  # ring: next domains
         k = (k + 1) % len(order)
-        keepers.setdefault(order[k], src)
-      nbytes = int(np.prod([b - a for a, b in index], dtype=np.int64)) * arr.dtype.itemsize
-      for d, data in sorted(keepers.items()):
-        here = next(iter(data.devices()))
-        if domain_of[here] != d:  # a cross-domain copy: same position in slice d
-          devs = slices[d]
-          here = devs[position[here] % len(devs)]
-        srcs.append(data)
-        dsts.append(SingleDeviceSharding(here, memory_kind=PINNED))
-        slots.append((d, len(cap.arrays[d])))
-        cap.pieces[d].append((Piece(i, index, nbytes), owner))
-        cap.arrays[d].append(None)  # filled below
-  before_dispatch({d: cap.nbytes(d) for d in order})
-  if srcs:
-    for (d, pos), out in zip(slots, jax.device_put(srcs, dsts)):
-      cap.arrays[d][pos] = out
-  return cap
+        keepers.add(order[k])
+      keep.update({(index, d): owner for d in sorted(keepers)})
+    return cls(spec, arr.dtype.itemsize, holders, keep, sources)
+
+  def nbytes(self, index: Index) -> int:
+    return int(np.prod([b - a for a, b in index], dtype=np.int64)) * self.itemsize
+
+  def dispatch(self, arr: jax.Array, ring: _Ring) -> dict[tuple[Index, int], jax.Array]:
+    """Starts the copies: whole-array ``device_put``s where the sharding
+    allows (async, one dispatch, all devices in parallel), else one put per
+    piece."""
+    out: dict[tuple[Index, int], jax.Array] = {}
+    shape = tuple(arr.shape)
+    own = [key for key in self.keep if key[1] in self.holders[key[0]]]
+    dense = sum(len(v) for v in self.holders.values()) == len(arr.sharding.device_set)
+    whole = None  # the whole leaf in pinned_host memory, where it was put at once
+    if own and dense and isinstance(arr.sharding, NamedSharding):
+      whole = jax.device_put(arr, arr.sharding.with_memory_kind(PINNED))
+      self._collect(whole, ring, shape, own, out)
+    else:
+      for index, d in own:
+        data = self.holders[index][d]
+        out[(index, d)] = jax.device_put(data, _pinned_on(_device(data)))
+    by_shift: dict[int, list[tuple[Index, int]]] = {}
+    n = len(ring.order)
+    for index, t in self.keep:
+      if t not in self.holders[index]:
+        k = next(k for k in range(1, n)
+                 if ring.order[(ring.order.index(t) - k) % n] in self.holders[index])
+        by_shift.setdefault(k, []).append((index, t))
+    for k, wanted in sorted(by_shift.items()):
+      moved = _ring_sharding(arr.sharding, ring, k)
+      if moved is not None:
+        if whole is None:  # a put may change devices or memory kind, not both
+          whole = jax.device_put(arr, arr.sharding.with_memory_kind(PINNED))
+        self._collect(jax.device_put(whole, moved), ring, shape, wanted, out)
+        continue
+      for index, t in wanted:  # one by one, from the domain k places back
+        src_domain = ring.order[(ring.order.index(t) - k) % n]
+        data = self.holders[index][src_domain]
+        there = ring.shifted(_device(data), k) or ring.slices[t][0]
+        out[(index, t)] = jax.device_put(data, _pinned_on(there))
+    return out
+
+  @staticmethod
+  def _collect(copy: jax.Array, ring: _Ring, shape: tuple[int, ...],
+               wanted: Sequence[tuple[Index, int]], out: dict) -> None:
+    want = set(wanted)
+    for shard in copy.addressable_shards:
+      key = (normalize_index(shard.index, shape), ring.domain(shard.device))
+      if key in want and key not in out:
+        out[key] = shard.data
+
+
+def _pinned_on(device: jax.Device) -> SingleDeviceSharding:
+  return SingleDeviceSharding(device, memory_kind=PINNED)
+
+
+def _ring_sharding(sharding: jax.sharding.Sharding, ring: _Ring, k: int
+                   ) -> NamedSharding | None:
+  """``sharding`` with every device replaced by the one ``k`` domains on, in
+  ``pinned_host`` memory: a put onto it copies each shard to the next domain."""
+  if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
+    return None
+  devs = sharding.mesh.devices
+  moved = [ring.shifted(d, k) for d in devs.flat]
+  if any(d is None for d in moved) or len(set(moved)) != len(moved):
+    return None
+  mesh = Mesh(np.array(moved, dtype=object).reshape(devs.shape), sharding.mesh.axis_names)
+  return NamedSharding(mesh, sharding.spec, memory_kind=PINNED)
+
+
+def _host_sum(cap: PinnedCapture, domain: int, position: int) -> Callable[[], Checksum]:
+  """crc32c of a piece's first pinned copy, once it has landed (memoized)."""
+  memo: list[Checksum] = []
+
+  def get() -> Checksum:
+    if not memo:
+      memo.append(host_crc(np.asarray(cap.arrays[domain][position])))
+    return memo[0]
+  return get
 
 
 def _pending_sum(src: jax.Array, per_shard: tuple[jax.Array, dict] | None
@@ -233,6 +356,10 @@ def _pending_sum(src: jax.Array, per_shard: tuple[jax.Array, dict] | None
     return lambda: as_checksum(np.asarray(out)[row])
   pending = device_checksum(src)  # dispatched now, read in the drain
   return lambda: as_checksum(pending)
+
+
+def _device(a: jax.Array) -> jax.Device:
+  return next(iter(a.devices()))
 
 
 # ------------------------------------------------------------------ restore
@@ -280,10 +407,12 @@ class PinnedAssembler:
     stored = self._stores[copy.host].array(self.plan.step, copy.record.offset)
     try:
       if isinstance(stored, np.ndarray):
-        got, ck = stored, host_checksum(stored)
+        got, ck = stored, host_crc(stored)
+      elif len(copy.record.crcs) == 1:  # crc32c of the pinned buffer, in place
+        ck = host_crc(np.asarray(stored))
+        got = jax.device_put(stored, SingleDeviceSharding(device or _device(stored)))
       else:
-        where = device or next(iter(stored.devices()))
-        got = jax.device_put(stored, SingleDeviceSharding(where))
+        got = jax.device_put(stored, SingleDeviceSharding(device or _device(stored)))
         ck = as_checksum(device_checksum(got))
     except RuntimeError as e:  # JaxRuntimeError (slice lost), or freed buffers
       raise BadCopy(copy.key(self.plan.step), spec.path,

@@ -52,6 +52,10 @@ class SnapshotOptions:
     store: where snapshots live (:class:`StoreKind`); ``AUTO`` picks the
       pinned-host store on a single controller given ``slices=`` (Pathways),
       host files otherwise.
+    pinned_checksum: the pinned-host store's integrity check: ``"host"``
+      (crc32c of the pinned buffer, in place), ``"device"`` (a 64-bit sum
+      computed by XLA on the device, for memory the controller cannot
+      address), or ``"auto"``: host on CPU devices, device elsewhere.
     incarnation: this job's incarnation (restart count); ``None`` takes
       ``$SNAPSTORE_INCARNATION`` (set by ``snapstore launch``), else one more
       than the newest in the stores (agreed across hosts).
@@ -70,6 +74,7 @@ class SnapshotOptions:
   hosts_per_domain: int | None = None
   incarnation: int | None = None
   store: StoreKind = StoreKind.AUTO
+  pinned_checksum: str = "auto"
 
   def __post_init__(self):
     _positive("interval", self.interval)
@@ -93,6 +98,9 @@ class SnapshotOptions:
       raise ValueError(f"replicas must be >= 0, got {self.replicas}")
     if self.hosts_per_domain is not None:
       _positive("hosts_per_domain", self.hosts_per_domain)
+    if self.pinned_checksum not in ("auto", "host", "device"):
+      raise ValueError(
+          f"pinned_checksum is 'auto', 'host' or 'device', got {self.pinned_checksum!r}")
     if not isinstance(self.store, StoreKind):
       raise TypeError(f"store must be a StoreKind, got {self.store!r}")
     if self.incarnation is not None and self.incarnation < 0:

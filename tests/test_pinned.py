@@ -77,6 +77,7 @@ def test_per_shard_checksums_match_each_shard(s2d):
 def test_auto_picks_pinned_host_for_slices_and_host_files_otherwise(s2d, store_dir):
   with manager(s2d, store_dir=store_dir) as mgr:
     assert mgr.store_kind is StoreKind.PINNED_HOST
+    assert mgr._integrity == "host"  # CPU: the controller reads pinned buffers in place
   with SnapshotManager(SnapshotOptions(store_dir=store_dir)) as mgr:
     assert mgr.store_kind is StoreKind.HOST_FILES
   with pytest.raises(ValueError, match="single controller"):
@@ -136,14 +137,16 @@ def test_budget_too_small_raises_before_taking_memory_and_caps_snapshots(s2d):
 
 
 # ----------------------------------------------------------------- restore
-def test_restore_is_bitwise_and_survives_donation_and_eviction(s2d):
+@pytest.mark.parametrize("checksum", ["host", "device"])
+def test_restore_is_bitwise_and_survives_donation_and_eviction(s2d, checksum):
   state = make_state(jax.devices(), 2)
   expected = host_copy(state)
-  with manager(s2d, keep=1) as mgr:
+  with manager(s2d, keep=1, pinned_checksum=checksum) as mgr:
     mgr.save(2, state)
     step = jax.jit(lambda x: x * 0 - 1, donate_argnums=0)  # overwrites its input
     tp, dp = step(state.pop("tp")), step(state.pop("dp"))
     jax.block_until_ready((tp, dp))
+    assert {len(p.crcs) for p, _ in stored(mgr, 0, 2)} == {1 if checksum == "host" else 2}
     r = mgr.restore(abstract(jax.devices()))
     assert (r.step, r.source) == (2, Source.SNAPSHOT)
     assert_bitwise_equal(expected, r.state)
@@ -171,8 +174,9 @@ def test_restore_onto_one_slice_and_to_numpy(s2d):
     assert_bitwise_equal(host_copy(state), r.state)
 
 
-def test_a_flipped_bit_in_pinned_memory_is_caught_and_another_copy_used(s2d):
-  with manager(s2d, keep=2) as mgr:
+@pytest.mark.parametrize("checksum", ["host", "device"])
+def test_a_flipped_bit_in_pinned_memory_is_caught_and_another_copy_used(s2d, checksum):
+  with manager(s2d, keep=2, pinned_checksum=checksum) as mgr:
     for step in (1, 2):
       mgr.save(step, make_state(jax.devices(), step))
     mgr.wait_until_finished()
