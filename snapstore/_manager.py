@@ -213,7 +213,7 @@ class SnapshotManager:
       store = self.stores[sid]
       pieces = tuple(PieceRecord(p.leaf, p.index, pos, p.nbytes, ck, owner)
                      for pos, ((p, owner), ck) in enumerate(
-                         zip(cap.pieces[sid], cap.checksums(sid))))
+                         zip(cap.pieces[sid], cap.checksums(sid, self._copy_pool))))
       nbytes += cap.nbytes(sid)
       store.commit(Manifest(pieces=pieces, created=time.time(), host=sid, slot=base["step"],
                             scalars=dict(cap.scalars), **base), cap.arrays[sid])
@@ -340,7 +340,7 @@ class SnapshotManager:
           continue
         leaves = self._assemble_multihost(plan, assembler, target_specs, targets)
       else:
-        assembler = (_pinnedstore.PinnedAssembler(plan, self.stores)
+        assembler = (_pinnedstore.PinnedAssembler(plan, self.stores, pool=self._copy_pool)
                      if self.store_kind is StoreKind.PINNED_HOST
                      else Assembler(plan, self._reader, pool=self._copy_pool))
         _faults.point("restore", plan.step)

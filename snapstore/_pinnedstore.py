@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -157,8 +159,9 @@ class PinnedCapture:
     jax.block_until_ready([a for arrs in self.arrays.values() for a in arrs
                            if isinstance(a, jax.Array)])
 
-  def checksums(self, domain: int) -> list[Checksum]:
-    return [self.sums[(p.leaf, p.index)]() for p, _ in self.pieces[domain]]
+  def checksums(self, domain: int, pool: futures.Executor) -> list[Checksum]:
+    """Each piece's checksum (crc32c of host copies runs on ``pool``)."""
+    return list(pool.map(lambda p: self.sums[(p[0].leaf, p[0].index)](), self.pieces[domain]))
 
 
 def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
@@ -340,11 +343,13 @@ def _ring_sharding(sharding: jax.sharding.Sharding, ring: _Ring, k: int
 def _host_sum(cap: PinnedCapture, domain: int, position: int) -> Callable[[], Checksum]:
   """crc32c of a piece's first pinned copy, once it has landed (memoized)."""
   memo: list[Checksum] = []
+  lock = threading.Lock()  # copies of one piece in several domains share it
 
   def get() -> Checksum:
-    if not memo:
-      memo.append(host_crc(np.asarray(cap.arrays[domain][position])))
-    return memo[0]
+    with lock:
+      if not memo:
+        memo.append(host_crc(np.asarray(cap.arrays[domain][position])))
+      return memo[0]
   return get
 
 
@@ -362,6 +367,13 @@ def _device(a: jax.Array) -> jax.Device:
   return next(iter(a.devices()))
 
 
+def _alive_on(a: jax.Array, device: jax.Device) -> bool:
+  try:
+    return not a.is_deleted() and _device(a) == device
+  except RuntimeError:
+    return False
+
+
 # ------------------------------------------------------------------ restore
 class PinnedAssembler:
   """Builds restored leaves from a plan over pinned-host stores, on device.
@@ -371,8 +383,10 @@ class PinnedAssembler:
   slice is gone) raises :class:`BadCopy` so the manager re-plans.
   """
 
-  def __init__(self, plan: StepPlan, stores: Mapping[int, PinnedHostStore]):
+  def __init__(self, plan: StepPlan, stores: Mapping[int, PinnedHostStore], *,
+               pool: futures.Executor):
     self.plan = plan
+    self._pool = pool
     self._stores = stores
     self._verified: dict[tuple[int, Index], Stored] = {}
     self.bytes_read = 0
@@ -387,6 +401,8 @@ class PinnedAssembler:
     got = self._verified.get(key)
     if got is None:
       for copy in self.plan.copies[key]:
+        if copy.key(self.plan.step) in self.bad_keys and copy is not self.plan.copies[key][-1]:
+          continue
         try:
           got = self._verify(copy, device)
           break
@@ -456,18 +472,67 @@ class PinnedAssembler:
     if wants_numpy(spec, target_spec, target):
       return build_leaf(spec, target_spec, target, lambda idx: self._host_region(leaf, idx))
     sharding = target_sharding(target)
-    bufs = []
-    for device, idx in sharding.addressable_devices_indices_map(spec.shape).items():
-      nidx = (normalize_index(idx, spec.shape) if idx is not None
-              else tuple((0, d) for d in spec.shape))
-      bufs.append(self._region(leaf, nidx, device))
-    arr = jax.make_array_from_single_device_arrays(
-        spec.shape, sharding.with_memory_kind("device")
-        if sharding.memory_kind not in (None, "device") else sharding, bufs)
-    if sharding.memory_kind not in (None, "device"):
+    on_device = (sharding.with_memory_kind("device")
+                 if sharding.memory_kind not in (None, "device") else sharding)
+    wanted = [(device, normalize_index(idx, spec.shape) if idx is not None
+               else tuple((0, d) for d in spec.shape))
+              for device, idx in sharding.addressable_devices_indices_map(spec.shape).items()]
+    arr = self._in_place(leaf, on_device, wanted)
+    if arr is None:
+      bufs = [self._region(leaf, nidx, device) for device, nidx in wanted]
+      arr = jax.make_array_from_single_device_arrays(spec.shape, on_device, bufs)
+    if on_device is not sharding:
       arr = jax.device_put(arr, sharding)
     if spec.kind is LeafKind.KEY:
       arr = jax.random.wrap_key_data(arr, impl=spec.key_impl)
+    return arr
+
+  def _in_place(self, leaf: int, sharding: jax.sharding.Sharding,
+                wanted: Sequence[tuple[jax.Device, Index]]) -> jax.Array | None:
+    """The fast path when every target device holds a copy of its own shard
+    (pause-resume on the same mesh): one pinned array from those copies and
+    one ``device_put`` back to device memory, all devices in parallel. Each
+    copy is verified (in place, or on device after the put). None if the
+    layout does not allow it or a copy is bad (the general path takes over)."""
+    spec = self.plan.specs[leaf]
+    if spec.kind is LeafKind.NUMPY:
+      return None
+    picks: list[tuple[Copy, jax.Array]] = []
+    for device, index in wanted:
+      found = None
+      for copy in self.plan.copies.get((leaf, index), ()):
+        if copy.key(self.plan.step) in self.bad_keys:
+          continue
+        stored = self._stores[copy.host].array(self.plan.step, copy.record.offset)
+        if isinstance(stored, jax.Array) and _alive_on(stored, device):
+          found = (copy, stored)
+          break
+      if found is None:
+        return None
+      picks.append(found)
+    try:
+      in_place = [(c, st) for c, st in picks if len(c.record.crcs) == 1]
+      sums_in_place = self._pool.map(lambda p: host_crc(np.asarray(p[1])), in_place)
+      for (copy, _), ck in zip(in_place, sums_in_place):
+        if ck != tuple(copy.record.crcs):
+          raise BadCopy(copy.key(self.plan.step), spec.path, holder=f"slice {copy.host}")
+      pinned = jax.make_array_from_single_device_arrays(
+          spec.shape, sharding.with_memory_kind(PINNED), [st for _, st in picks])
+      arr = jax.device_put(pinned, sharding)
+      sums = shard_checksums(arr) if any(len(c.record.crcs) == 2 for c, _ in picks) else None
+      if sums is not None:
+        out, rows = sums
+        got = np.asarray(out)
+        for (copy, _), (device, _) in zip(picks, wanted):
+          if as_checksum(got[rows[device]]) != tuple(copy.record.crcs):
+            raise BadCopy(copy.key(self.plan.step), spec.path, holder=f"slice {copy.host}")
+    except BadCopy as e:
+      self.bad_keys.add(e.key)
+      self.notes.append(f"step {self.plan.step}: {e}; using another copy")
+      return None
+    except RuntimeError:  # an unreadable copy: the general path finds which
+      return None
+    self.bytes_read += sum(c.record.nbytes for c, _ in picks)
     return arr
 
   def tree(self, target_specs: Sequence[LeafSpec], targets: Sequence[Any]) -> list[Any]:

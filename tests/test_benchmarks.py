@@ -47,15 +47,16 @@ def test_restore_benchmark_smoke(tmp_path):
 
 def test_vs_orbax_benchmark_smoke(tmp_path):
   result = _run(vs_orbax, ["--mb", "4", "--repeats", "1"], tmp_path / "v.json")
-  assert set(result["systems"]) == {"snapstore", "orbax_snapshotter", "orbax_local_ramfs"}
-  assert len(result["ratios"]) == 6
+  assert set(result["systems"]) == {"snapstore", "snapstore_host_files", "orbax_snapshotter",
+                                    "orbax_local_ramfs"}
+  assert len(result["ratios"]) == 9
   _positive(*result["ratios"].values())
 
 
 def test_vs_orbax_snapshotter_benchmark_smoke(tmp_path):
   result = _run(vs_orbax_snapshotter, ["--mb", "4", "--repeats", "1"], tmp_path / "v.json")
-  assert set(result["systems"]) == {"snapstore", "orbax_snapshotter"}
-  assert len(result["ratios"]) == 3
+  assert set(result["systems"]) == {"snapstore", "snapstore_host_files", "orbax_snapshotter"}
+  assert len(result["ratios"]) == 6
   _positive(*result["ratios"].values())
 
 
