@@ -1,9 +1,10 @@
 """snapstore's ``Snapshotter`` against Orbax v1's ``Snapshotter``, same state.
 
-``python -m benchmarks.vs_orbax_snapshotter --mb 256``: the two rows of
-``benchmarks.vs_orbax`` that compare the Pathways snapshotters (8 CPU
-devices as 2 slices; snapstore with its pinned-host store and with host files): save return, save complete and load times, and the
-ratios Orbax / snapstore (>1: snapstore is faster).
+``python -m benchmarks.vs_orbax_snapshotter --mb 256``: the rows of
+``benchmarks.vs_orbax`` that compare the Pathways snapshotters (8 CPU devices
+as 2 slices; snapstore with its pinned-host store and with host files): save
+return, save complete and load times, and the ratios other / snapstore's
+pinned-host store (>1: the pinned-host store is faster).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--out", default="bench-results/vs_orbax_snapshotter.json")
   args = p.parse_args(argv)
   setup_cpu_devices(8)
-  emit("vs_orbax_snapshotter",
-       run(args.mb, args.repeats, only=("snapstore", "snapstore_host_files", "orbax_snapshotter")), args.out)
+  systems = ("snapstore", "snapstore_host_files", "orbax_snapshotter")
+  emit("vs_orbax_snapshotter", run(args.mb, args.repeats, only=systems), args.out)
   return 0
 
 

@@ -205,33 +205,30 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     per_shard = shard_checksums(arr) if integrity == DEVICE else None
     for (index, d), copy in plan.dispatch(arr, ring).items():
       cap.arrays[d][slot[(i, index, d)]] = copy
+    first: dict[Index, int] = {}  # the lowest domain keeping each piece
+    for index, d in plan.keep:
+      first[index] = min(d, first.get(index, d))
     for index, src in plan.sources.items():
-      first = min(d for (idx, d) in plan.keep if idx == index)
+      d = first[index]
       cap.sums[(i, index)] = (_pending_sum(src, per_shard) if integrity == DEVICE
-                              else _host_sum(cap, first, slot[(i, index, first)]))
+                              else _host_sum(cap, d, slot[(i, index, d)]))
   return cap
 
 
-@dataclasses.dataclass(frozen=True)
 class _Ring:
   """Failure domains in ring order, and each device's place in its domain."""
 
-  slices: Mapping[int, Sequence[jax.Device]]
-
-  @property
-  def order(self) -> list[int]:
-    return sorted(self.slices)
+  def __init__(self, slices: Mapping[int, Sequence[jax.Device]]):
+    self.slices = {k: list(v) for k, v in slices.items()}
+    self.order = sorted(self.slices)
+    self._where = {d: (k, i) for k, devs in self.slices.items() for i, d in enumerate(devs)}
 
   def domain(self, device: jax.Device) -> int:
-    for k, devs in self.slices.items():
-      if device in devs:
-        return k
-    raise KeyError(device)
+    return self._where[device][0]
 
   def shifted(self, device: jax.Device, k: int) -> jax.Device | None:
     """The device at the same place ``k`` domains further on the ring."""
-    d = self.domain(device)
-    pos = list(self.slices[d]).index(device)
+    d, pos = self._where[device]
     target = self.slices[self.order[(self.order.index(d) + k) % len(self.order)]]
     return target[pos] if pos < len(target) else None
 
