@@ -89,6 +89,8 @@ def run_elastic(store_dir, lose, options, *, fail_at=5, total=8,
   elastic = Manager()
   trainer = ElasticTrainer(elastic, options=options, store_dir=store_dir, run_id="pw",
                            persistent=persistent, persistent_interval=2 if persistent else 0)
+  # CPU devices have pinned_host memory: the slices' snapshots are pinned arrays.
+  assert trainer.snapshots.store_kind is StoreKind.PINNED_HOST
   saved: dict[int, object] = {}
   meshes = []
   # DeviceLossSimulator tracks arrays by id(): keep every array alive so no
