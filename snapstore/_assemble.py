@@ -8,7 +8,7 @@ can drop it and plan again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -37,6 +37,19 @@ class BadCopy(Exception):
 def overlap(a: Index, b: Index) -> Index | None:
   out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
   return out if all(lo < hi for lo, hi in out) or not out else None
+
+
+Slices = tuple[slice, ...]
+
+
+def overlaps(pieces: Iterable[Index], region: Index) -> Iterator[tuple[Index, Slices, Slices]]:
+  """For each piece overlapping ``region``: (piece, where the overlap sits in
+  the region, where it sits in the piece)."""
+  for pidx in pieces:
+    ov = overlap(pidx, region)
+    if ov is not None:
+      yield (pidx, tuple(slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(ov, region)),
+             tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(ov, pidx)))
 
 
 class Assembler:
@@ -76,13 +89,8 @@ class Assembler:
       return self.piece(leaf, index), False
     spec = self.plan.specs[leaf]
     out = np.empty(tuple(b - a for a, b in index), spec.np_dtype)
-    for pidx in pieces:
-      ov = overlap(pidx, index)
-      if ov is None:
-        continue
-      src = self.piece(leaf, pidx)
-      out[tuple(slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(ov, index))] = \
-          src[tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(ov, pidx))]
+    for pidx, dst, src in overlaps(pieces, index):
+      out[dst] = self.piece(leaf, pidx)[src]
     return out, True
 
   def leaf(self, leaf: int, target_spec: LeafSpec, target: Any) -> Any:

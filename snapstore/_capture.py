@@ -29,7 +29,8 @@ import numpy as np
 from . import _faults
 from ._hoststore import align
 from ._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, normalize_index
-from ._placement import owners, replica_shardings, ring_permutable, ring_permute
+from ._placement import (owners, replica_shardings, ring_keepers, ring_permutable,
+                         ring_permute)
 
 Source = Callable[[], np.ndarray]
 
@@ -257,13 +258,8 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     for index, by_domain in holders.items():
       nbytes = int(np.prod([b - a for a, b in index], dtype=np.int64)) * arr.dtype.itemsize
       owner = min(by_domain)
-      keepers = dict(by_domain)
-      want = min(1 + replicas, len(order))
-      k = order.index(owner)
-      while len(keepers) < want:  # ring: the next domains after the owner
-        k = (k + 1) % len(order)
-        keepers.setdefault(order[k], by_domain[owner])
-      for d, data in sorted(keepers.items()):
+      for d in ring_keepers(by_domain, order, replicas):
+        data = by_domain.get(d, by_domain[owner])
         caps[d].pieces.append(Piece(i, index, nbytes))
         caps[d].owners.append(owner)
         if on_cpu:

@@ -34,11 +34,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from . import _faults, errors
-from ._assemble import BadCopy, build_leaf, overlap
+from ._assemble import BadCopy, build_leaf, overlaps
 from ._checksum import Checksum, as_checksum, device_checksum, host_crc, shard_checksums
 from ._layout import Index, LeafKind, LeafSpec, Piece, normalize_index, wants_numpy
 from ._manifest import Manifest
 from ._persistent import target_sharding
+from ._placement import ring_keepers
 from ._planner import Copy, CopyKey, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -257,16 +258,10 @@ class _LeafPlan:
       holders.setdefault(normalize_index(shard.index, shape), {}).setdefault(d, shard.data)
     keep: dict[tuple[Index, int], int] = {}
     sources = {}
-    order = ring.order
     for index, by_domain in holders.items():
       owner = min(by_domain)
       sources[index] = by_domain[owner]
-      keepers = set(by_domain)
-      k = order.index(owner)
-      while len(keepers) < min(1 + replicas, len(order)):  # ring: next domains
-        k = (k + 1) % len(order)
-        keepers.add(order[k])
-      keep.update({(index, d): owner for d in sorted(keepers)})
+      keep.update({(index, d): owner for d in ring_keepers(by_domain, ring.order, replicas)})
     return cls(spec, arr.dtype.itemsize, holders, keep, sources)
 
   def nbytes(self, index: Index) -> int:
@@ -442,24 +437,14 @@ class PinnedAssembler:
       return self._fetch(leaf, index, device)
     spec = self.plan.specs[leaf]
     out = jnp.zeros(tuple(b - a for a, b in index), spec.np_dtype, device=device)
-    for pidx in pieces:
-      ov = overlap(pidx, index)
-      if ov is None:
-        continue
-      src = self._fetch(leaf, pidx, device)
-      dst = tuple(slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(ov, index))
-      out = out.at[dst].set(src[tuple(slice(lo - p0, hi - p0)
-                                      for (lo, hi), (p0, _) in zip(ov, pidx))])
+    for pidx, dst, src in overlaps(pieces, index):  # cut and placed on ``device``
+      out = out.at[dst].set(self._fetch(leaf, pidx, device)[src])
     return out
 
   def _host_region(self, leaf: int, index: Index) -> tuple[np.ndarray, bool]:
     out = np.empty(tuple(b - a for a, b in index), self.plan.specs[leaf].np_dtype)
-    for pidx in self.plan.leaf_copies(leaf):
-      ov = overlap(pidx, index)
-      if ov is not None:
-        src = np.asarray(self._fetch(leaf, pidx, None))
-        out[tuple(slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(ov, index))] = \
-            src[tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(ov, pidx))]
+    for pidx, dst, src in overlaps(self.plan.leaf_copies(leaf), index):
+      out[dst] = np.asarray(self._fetch(leaf, pidx, None))[src]
     return out, True
 
   def leaf(self, leaf: int, target_spec: LeafSpec, target: Any) -> Any:

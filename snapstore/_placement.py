@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -172,3 +172,14 @@ def ring_permute(arrays: Sequence[jax.Array],
         (shard[0] * mesh.size, *shard[1:]), NamedSharding(mesh, P(_AXIS)), datas))
   pairs = tuple(tuple(sorted((pos[s], pos[d]) for s, d in p.items())) for p in perms)
   return list(_permute_fn(mesh, pairs)(*stacked))
+
+
+def ring_keepers(holders: Collection[int], order: Sequence[int], replicas: int) -> list[int]:
+  """The domains that keep a piece: those holding it, then the next domains
+  after the lowest holder, in ring ``order``, until ``1 + replicas`` do."""
+  keepers = set(holders)
+  k = order.index(min(holders))
+  while len(keepers) < min(1 + replicas, len(order)):
+    k = (k + 1) % len(order)
+    keepers.add(order[k])
+  return sorted(keepers)
