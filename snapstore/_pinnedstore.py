@@ -493,14 +493,15 @@ class PinnedAssembler:
         return None
       picks.append(found)
     try:
-      in_place = [(c, st) for c, st in picks if len(c.record.crcs) == 1]
-      sums_in_place = self._pool.map(lambda p: host_crc(np.asarray(p[1])), in_place)
-      for (copy, _), ck in zip(in_place, sums_in_place):
-        if ck != tuple(copy.record.crcs):
-          raise BadCopy(copy.key(self.plan.step), spec.path, holder=f"slice {copy.host}")
+      # crc32c in place on the pool while this thread puts the leaf back.
+      in_place = [(c, self._pool.submit(host_crc, np.asarray(st)))
+                  for c, st in picks if len(c.record.crcs) == 1]
       pinned = jax.make_array_from_single_device_arrays(
           spec.shape, sharding.with_memory_kind(PINNED), [st for _, st in picks])
       arr = jax.device_put(pinned, sharding)
+      for copy, ck in in_place:
+        if ck.result() != tuple(copy.record.crcs):
+          raise BadCopy(copy.key(self.plan.step), spec.path, holder=f"slice {copy.host}")
       sums = shard_checksums(arr) if any(len(c.record.crcs) == 2 for c, _ in picks) else None
       if sums is not None:
         out, rows = sums
