@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,21 @@ def emit(name: str, result: dict[str, Any], out: str | None) -> None:
   if out:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)
+
+
+def sized_main(name: str, doc: str | None, run: Callable[[int, int], dict[str, Any]],
+               argv: Sequence[str] | None, *, devices: int = 8) -> int:
+  """The ``main`` of a benchmark that takes ``--mb``, ``--repeats`` and
+  ``--out`` and runs ``run(mb, repeats)`` on ``devices`` CPU devices."""
+  p = argparse.ArgumentParser(prog=f"benchmarks.{name}", description=doc,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--mb", type=int, default=256)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--out", default=f"bench-results/{name}.json")
+  args = p.parse_args(argv)
+  setup_cpu_devices(devices)
+  emit(name, run(args.mb, args.repeats), args.out)
+  return 0
 
 
 def cleanup(path: Path) -> None:

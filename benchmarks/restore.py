@@ -11,13 +11,12 @@ than the RAM snapshot).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks._common import cleanup, emit, make_state, ram_dir, setup_cpu_devices
+from benchmarks._common import cleanup, make_state, ram_dir, sized_main
 
 
 def run(mb: int, repeats: int) -> dict:
@@ -76,15 +75,7 @@ def _flat(state):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="benchmarks.restore", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mb", type=int, default=256)
-  p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--out", default="bench-results/restore.json")
-  args = p.parse_args(argv)
-  setup_cpu_devices(8)
-  emit("restore", run(args.mb, args.repeats), args.out)
-  return 0
+  return sized_main("restore", __doc__, run, argv)
 
 
 if __name__ == "__main__":

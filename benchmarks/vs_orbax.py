@@ -23,13 +23,12 @@ Reported per system: median ``save_return_s``, ``save_complete_s``,
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks._common import cleanup, emit, ram_dir, setup_cpu_devices
+from benchmarks._common import cleanup, ram_dir, sized_main
 
 
 class _System:
@@ -172,15 +171,7 @@ def run(mb: int, repeats: int, only: Sequence[str] | None = None) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="benchmarks.vs_orbax", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mb", type=int, default=256)
-  p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--out", default="bench-results/vs_orbax.json")
-  args = p.parse_args(argv)
-  setup_cpu_devices(8)
-  emit("vs_orbax", run(args.mb, args.repeats), args.out)
-  return 0
+  return sized_main("vs_orbax", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -9,24 +9,16 @@ pinned-host store (>1: the pinned-host store is faster).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
-from benchmarks._common import emit, setup_cpu_devices
+from benchmarks._common import sized_main
 from benchmarks.vs_orbax import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="benchmarks.vs_orbax_snapshotter", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mb", type=int, default=256)
-  p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--out", default="bench-results/vs_orbax_snapshotter.json")
-  args = p.parse_args(argv)
-  setup_cpu_devices(8)
   systems = ("snapstore", "snapstore_host_files", "orbax_snapshotter")
-  emit("vs_orbax_snapshotter", run(args.mb, args.repeats, only=systems), args.out)
-  return 0
+  return sized_main("vs_orbax_snapshotter", __doc__,
+                    lambda mb, repeats: run(mb, repeats, only=systems), argv)
 
 
 if __name__ == "__main__":

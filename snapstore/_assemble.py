@@ -63,8 +63,8 @@ class Assembler:
     self._pool = pool
     self._verified: dict[tuple[int, Index], np.ndarray] = {}
     self.bytes_read = 0
-    self.notes: list[str] = []  # bad copies passed over (none: BadCopy re-plans)
-    self.bad_keys: set[CopyKey] = set()
+    self.bad: dict[CopyKey, BadCopy] = {}  # bad copies passed over (none here:
+                                           # the first raises BadCopy and re-plans)
 
   def piece(self, leaf: int, index: Index) -> np.ndarray:
     """The verified bytes of piece (leaf, index), typed and shaped."""

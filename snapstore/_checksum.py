@@ -17,8 +17,6 @@ element, zero-extended, for 1-, 2- and 4-byte dtypes; two per element for
 ``fmix32`` (MurmurHash3's finalizer) is a bijection on uint32, so changing any
 one lane, by any number of bits, always changes both sums; other corruptions
 (several lanes, swapped lanes) go undetected with probability about 2**-64.
-The numpy twin :func:`host_checksum` computes the same value for numpy leaves
-(the controller's own copies).
 """
 
 from __future__ import annotations
@@ -39,8 +37,9 @@ _SEEDS = (0x243F6A88, 0x85A308D3)
 _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
 
 
-def _fmix(h, u32):
-  """MurmurHash3's 32-bit finalizer; ``u32`` is jnp.uint32 or np.uint32."""
+def _fmix(h: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finalizer (a bijection on uint32)."""
+  u32 = jnp.uint32
   h = h ^ (h >> u32(16))
   h = h * u32(_M1)
   h = h ^ (h >> u32(13))
@@ -65,7 +64,7 @@ def _lanes(x: jax.Array) -> jax.Array:
 def _sums(x: jax.Array) -> jax.Array:
   u = _lanes(x)
   pos = lax.iota(jnp.uint32, u.size) * jnp.uint32(_GOLDEN)
-  return jnp.stack([jnp.sum(_fmix(u + pos + jnp.uint32(s), jnp.uint32), dtype=jnp.uint32)
+  return jnp.stack([jnp.sum(_fmix(u + pos + jnp.uint32(s)), dtype=jnp.uint32)
                     for s in _SEEDS])
 
 
@@ -92,22 +91,6 @@ def shard_checksums(arr: jax.Array) -> tuple[jax.Array, dict[jax.Device, int]] |
     return None
   out = _per_shard_fn(mesh, sharding.spec)(arr)
   return out, {d: r for r, d in enumerate(mesh.devices.flat)}
-
-
-def host_checksum(a: np.ndarray) -> Checksum:
-  """The same checksum of a host array (8-byte dtypes: in memory order)."""
-  a = np.ascontiguousarray(a)
-  size = a.dtype.itemsize
-  raw = a.reshape(-1).view(np.uint8)
-  if size in (1, 2, 4):
-    u = raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32)
-  else:  # any other itemsize: the raw bytes, zero-padded to whole lanes
-    pad = (-raw.size) % 4
-    u = np.concatenate([raw, np.zeros(pad, np.uint8)]).view(np.uint32)
-  pos = np.arange(u.size, dtype=np.uint32) * np.uint32(_GOLDEN)
-  a0, a1 = (int(_fmix(u + pos + np.uint32(s), np.uint32).sum(dtype=np.uint32))
-            for s in _SEEDS)
-  return a0, a1
 
 
 def host_crc(a: np.ndarray) -> Checksum:

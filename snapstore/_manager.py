@@ -347,16 +347,14 @@ class SnapshotManager:
         try:
           leaves = assembler.tree(target_specs, targets)
         except BadCopy as e:
-          bad.add(e.key)
-          bad.update(assembler.bad_keys)
-          notes.extend(assembler.notes[:-1])
-          note = f"step {plan.step}: {e}; using another copy or an older step"
-          logger.warning(note)
-          notes.append(note)
+          assembler.bad.setdefault(e.key, e)
+          leaves = None
+        for key, e in assembler.bad.items():  # one note per bad copy found
+          notes.append(f"step {plan.step}: {e}; using another copy or an older step")
+          logger.warning(notes[-1])
+        bad.update(assembler.bad)
+        if leaves is None:
           continue
-        for note in assembler.notes:
-          logger.warning(note)
-        notes.extend(assembler.notes)
       timings["read"] = time.perf_counter() - t
       timings["total"] = time.perf_counter() - t0
       read = {"snapshot": assembler.bytes_read}

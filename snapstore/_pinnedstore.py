@@ -238,7 +238,6 @@ class _Ring:
 class _LeafPlan:
   """Which (index, domain) copies one leaf needs, and from where."""
 
-  spec: LeafSpec
   itemsize: int
   holders: dict[Index, dict[int, jax.Array]]  # index -> domain -> its shard data
   keep: dict[tuple[Index, int], int]          # (index, domain) -> owner domain
@@ -262,7 +261,7 @@ class _LeafPlan:
       owner = min(by_domain)
       sources[index] = by_domain[owner]
       keep.update({(index, d): owner for d in ring_keepers(by_domain, ring.order, replicas)})
-    return cls(spec, arr.dtype.itemsize, holders, keep, sources)
+    return cls(arr.dtype.itemsize, holders, keep, sources)
 
   def nbytes(self, index: Index) -> int:
     return int(np.prod([b - a for a, b in index], dtype=np.int64)) * self.itemsize
@@ -382,8 +381,7 @@ class PinnedAssembler:
     self._stores = stores
     self._verified: dict[tuple[int, Index], Stored] = {}
     self.bytes_read = 0
-    self.notes: list[str] = []  # copies found bad and passed over
-    self.bad_keys: set[CopyKey] = set()
+    self.bad: dict[CopyKey, BadCopy] = {}  # copies found bad (the manager notes them)
 
   def _fetch(self, leaf: int, index: Index, device: jax.Device | None) -> Stored:
     """A verified copy of piece (leaf, index): on ``device``, or on the host
@@ -392,17 +390,16 @@ class PinnedAssembler:
     key = (leaf, index)
     got = self._verified.get(key)
     if got is None:
-      for copy in self.plan.copies[key]:
-        if copy.key(self.plan.step) in self.bad_keys and copy is not self.plan.copies[key][-1]:
-          continue
-        try:
-          got = self._verify(copy, device)
-          break
-        except BadCopy as e:
-          self.bad_keys.add(e.key)
-          self.notes.append(f"step {self.plan.step}: {e}; using another copy")
-          if copy is self.plan.copies[key][-1]:
-            raise
+      copies = self.plan.copies[key]
+      for copy in copies:
+        if copy.key(self.plan.step) not in self.bad:
+          try:
+            got = self._verify(copy, device)
+            break
+          except BadCopy as e:
+            self.bad[e.key] = e
+      else:  # every copy is bad
+        raise self.bad[copies[-1].key(self.plan.step)]
       self._verified[key] = got
     if device is None:
       return got
@@ -483,7 +480,7 @@ class PinnedAssembler:
     for device, index in wanted:
       found = None
       for copy in self.plan.copies.get((leaf, index), ()):
-        if copy.key(self.plan.step) in self.bad_keys:
+        if copy.key(self.plan.step) in self.bad:
           continue
         stored = self._stores[copy.host].array(self.plan.step, copy.record.offset)
         if isinstance(stored, jax.Array) and _alive_on(stored, device):
@@ -510,8 +507,7 @@ class PinnedAssembler:
           if as_checksum(got[rows[device]]) != tuple(copy.record.crcs):
             raise BadCopy(copy.key(self.plan.step), spec.path, holder=f"slice {copy.host}")
     except BadCopy as e:
-      self.bad_keys.add(e.key)
-      self.notes.append(f"step {self.plan.step}: {e}; using another copy")
+      self.bad[e.key] = e
       return None
     except RuntimeError:  # an unreadable copy: the general path finds which
       return None

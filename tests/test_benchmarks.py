@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks import (capture, goodput, multihost, overhead, restore, rewind, vs_orbax,
-                        vs_orbax_snapshotter)
+from benchmarks import (capture, checksum, goodput, multihost, overhead, restore, rewind,
+                        vs_orbax, vs_orbax_snapshotter)
 
 
 def _run(module, argv, out):
@@ -29,6 +29,13 @@ def test_capture_benchmark_smoke(tmp_path, capsys):
                                "restore_vs_memcpy", "step_s_plain", "step_s_snapshot")))
   assert math.isfinite(row["step_overhead"])
   assert json.loads(capsys.readouterr().out)["sizes"][0]["state_mb"] == row["state_mb"]
+
+
+def test_checksum_benchmark_smoke(tmp_path):
+  result = _run(checksum, ["--mb", "4", "--repeats", "2"], tmp_path / "c.json")
+  assert set(result["bytes_per_s"]) == {"memcpy", "host_crc32c", "device_sum"}
+  _positive(*result["bytes_per_s"].values(), *result["ratio_to_memcpy"].values(),
+            result["device_sum_over_host_crc32c_s"])
 
 
 def test_overhead_benchmark_smoke(tmp_path):
