@@ -74,7 +74,7 @@ def main() -> int:
         best[key] = min(best[key], block(key == "snap"))
     report.update(step_s_none=best["none"], step_s_snapshot=best["snap"],
                   step_ratio=best["snap"] / best["none"])
-    newest = mgr.store.manifests()[-1]
+    newest = mgr.backend.manifests()[-1]
     mine = sum(p.nbytes for p in newest.pieces if p.owner != host)
     moved = int(np.asarray(multihost_utils.process_allgather(np.array([mine]))).sum())
     report["replica_bytes_per_step"] = moved

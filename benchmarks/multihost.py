@@ -27,7 +27,7 @@ from benchmarks._common import cleanup, emit, ram_dir
 
 def run(mb: int, steps: int, rounds: int, repeats: int, replicas: int,
         step_s: float) -> dict:
-  from snapstore.gcs_emulator import GcsEmulator  # noqa: PLC0415
+  from snapstore.demo.gcs_emulator import GcsEmulator  # noqa: PLC0415
   from snapstore.launch import launch  # noqa: PLC0415
   work = ram_dir("snapstore-mh-bench-")
   root = str(Path(__file__).resolve().parents[1])

@@ -23,7 +23,7 @@ def run(mb: int, repeats: int) -> dict:
   import jax  # noqa: PLC0415
 
   import snapstore  # noqa: PLC0415
-  from snapstore.gcs_emulator import GcsEmulator  # noqa: PLC0415
+  from snapstore.demo.gcs_emulator import GcsEmulator  # noqa: PLC0415
   state, _ = make_state(mb << 20)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,

@@ -57,7 +57,7 @@ def _run(work: Path, name: str, interval: int, kill_steps: list[int], snapshots:
   watcher = threading.Thread(target=watch, daemon=True)
   watcher.start()
   try:
-    incs = launch("snapstore._worker",
+    incs = launch("snapstore.demo.worker",
                 ["--steps", str(steps), "--out", str(out), "--store", str(store),
                  "--run-id", name, "--persistent", str(ckpt),
                  "--checkpoint-every", str(interval), "--snapshots", str(int(snapshots)),

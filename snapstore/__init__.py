@@ -6,6 +6,7 @@ from ._persistent import OrbaxTier as OrbaxTier
 from .errors import (
     BudgetExceededError as BudgetExceededError,
     CorruptSnapshotError as CorruptSnapshotError,
+    DrainFailedError as DrainFailedError,
     NothingToRestoreError as NothingToRestoreError,
     SnapshotInProgressError as SnapshotInProgressError,
     SnapstoreError as SnapstoreError,
@@ -22,7 +23,7 @@ from .options import StoreKind as StoreKind
 __version__ = "0.1.0"
 
 __all__ = [
-    "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError",
+    "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError", "DrainFailedError",
     "NothingToRestoreError", "OrbaxTier", "RestoreResult", "SaveMetrics",
     "SnapshotInProgressError", "SnapshotManager", "SnapshotOptions",
     "SnapstoreError", "Source", "StepNotFoundError", "StoreKind", "TreeMismatchError",

@@ -1,31 +1,32 @@
 """Stored pieces -> target shards -> jax.Arrays on the caller's sharding.
 
-Each target shard is cut from whichever stored pieces overlap it, so the target
-sharding may differ from the one that saved. Every piece used is verified
-against its crc32c first; a failed copy raises :class:`BadCopy` so the caller
-can drop it and plan again.
+One assembler for every backend. Each target shard is cut from whichever
+stored pieces overlap it, so the target sharding may differ from the one that
+saved. The backend supplies how one stored copy is fetched and verified
+(:meth:`PieceSource.fetch`); the policy on a bad copy is the same everywhere:
+the next copy of the piece, and when none is left :class:`BadCopy` reaches
+the manager, which plans again (an older step, then the persistent tier).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent import futures
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ._capture import verify
-from ._layout import Index, LeafKind, LeafSpec, wants_numpy
-from ._persistent import target_sharding
+from ._index import Index, full, normalize, overlaps, shape_of, to_slices
+from ._layout import LeafKind, LeafSpec, target_sharding, wants_numpy
 from ._planner import Copy, CopyKey, StepPlan
 
-# Reads the bytes of one stored copy (a read-only view).
-Reader = Callable[[Copy], np.ndarray]
+Stored = np.ndarray | jax.Array
 
 
 class BadCopy(Exception):
-  """A stored copy failed verification (internal; the manager re-plans)."""
+  """A stored copy failed verification or could not be read (internal: the
+  assembler tries the next copy; the manager re-plans when none is left)."""
 
   def __init__(self, key: CopyKey, leaf: str, *, why: str = "checksum mismatch",
                holder: str | None = None):
@@ -34,103 +35,140 @@ class BadCopy(Exception):
     self.leaf = leaf
 
 
-def overlap(a: Index, b: Index) -> Index | None:
-  out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-  return out if all(lo < hi for lo, hi in out) or not out else None
+class PieceSource(Protocol):
+  """What the assembler needs of a backend."""
+
+  def holds(self, store: int) -> bool:
+    """True if this process can read the copies of store ``store``."""
+
+  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None) -> Stored:
+    """The verified bytes of ``copy``, typed and shaped like its piece: a
+    numpy array, or a jax.Array (on ``device`` where given). Raises
+    :class:`BadCopy` if it fails its checksum or cannot be read."""
+
+  def place_leaf(self, assembler: Assembler, leaf: int, sharding: jax.sharding.Sharding,
+                 wanted: Sequence[tuple[jax.Device, Index]]) -> jax.Array | None:
+    """A fast path that builds a whole leaf at once, or None (the general
+    path cuts it shard by shard). Marks the copies it rejects in
+    ``assembler.bad``."""
 
 
-Slices = tuple[slice, ...]
-
-
-def overlaps(pieces: Iterable[Index], region: Index) -> Iterator[tuple[Index, Slices, Slices]]:
-  """For each piece overlapping ``region``: (piece, where the overlap sits in
-  the region, where it sits in the piece)."""
-  for pidx in pieces:
-    ov = overlap(pidx, region)
-    if ov is not None:
-      yield (pidx, tuple(slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(ov, region)),
-             tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(ov, pidx)))
+# (region of a leaf, device it is for, or None for host) ->
+# (array of that region, whether it is a fresh buffer the caller may keep)
+Region = Callable[[Index, jax.Device | None], tuple[Stored, bool]]
 
 
 class Assembler:
-  """Builds restored leaves from a plan; caches verified pieces."""
+  """Builds restored leaves from one step's plan; caches verified pieces."""
 
-  def __init__(self, plan: StepPlan, read: Reader, *, pool: futures.Executor,
-               pick: Callable[[Sequence[Copy]], Copy] = lambda cs: cs[0]):
+  def __init__(self, plan: StepPlan, source: PieceSource):
     self.plan = plan
-    self._pick = pick
-    self._read = read
-    self._pool = pool
-    self._verified: dict[tuple[int, Index], np.ndarray] = {}
+    self.source = source
+    self._verified: dict[tuple[int, Index], Stored] = {}
     self.bytes_read = 0
-    self.bad: dict[CopyKey, BadCopy] = {}  # bad copies passed over (none here:
-                                           # the first raises BadCopy and re-plans)
+    self.bad: dict[CopyKey, BadCopy] = {}  # copies found bad (the manager notes them)
 
-  def piece(self, leaf: int, index: Index) -> np.ndarray:
-    """The verified bytes of piece (leaf, index), typed and shaped."""
-    cached = self._verified.get((leaf, index))
-    if cached is not None:
-      return cached
-    spec = self.plan.specs[leaf]
-    copy = self._pick(self.plan.copies[(leaf, index)])
-    raw = self._read(copy)
-    if not verify(raw, copy.record.crcs, pool=self._pool,
-                  chunk_bytes=self.plan.chunk_bytes):
-      raise BadCopy(copy.key(self.plan.step), spec.path)
-    self.bytes_read += raw.nbytes
-    arr = raw.view(spec.np_dtype).reshape(tuple(b - a for a, b in index))
-    self._verified[(leaf, index)] = arr
-    return arr
+  def piece(self, leaf: int, index: Index, device: jax.Device | None = None) -> Stored:
+    """The verified piece (leaf, index): on ``device`` for a jax.Array copy,
+    else as stored. Tries the copies this process holds in plan order."""
+    key = (leaf, index)
+    got = self._verified.get(key)
+    if got is None:
+      copies = [c for c in self.plan.copies[key] if self.source.holds(c.store)]
+      last: BadCopy | None = None
+      for copy in copies:
+        if copy.key(self.plan.step) in self.bad:
+          continue
+        try:
+          got = self.source.fetch(self.plan, copy, device)
+        except BadCopy as e:
+          self.bad[e.key] = last = e
+          continue
+        self.bytes_read += copy.record.nbytes
+        break
+      else:
+        if last is None:  # every copy here was found bad before
+          bads = [self.bad[k] for c in copies if (k := c.key(self.plan.step)) in self.bad]
+          if not bads:
+            raise ValueError(f"no copy of piece {index} of leaf {leaf} is held here")
+          last = bads[-1]
+        raise last
+      self._verified[key] = got
+    if device is None or not isinstance(got, jax.Array) or device in got.devices():
+      return got
+    return jax.device_put(got, device)
 
-  def region(self, leaf: int, index: Index) -> tuple[np.ndarray, bool]:
-    """(array of the global region ``index``, whether it is a fresh buffer)."""
+  def region(self, leaf: int, index: Index, device: jax.Device | None) -> tuple[Stored, bool]:
+    """The global region ``index`` of ``leaf``, cut from the pieces that
+    overlap it: a numpy array where the pieces are on the host, else a
+    jax.Array on ``device``."""
     pieces = self.plan.leaf_copies(leaf)
     if index in pieces:
-      return self.piece(leaf, index), False
+      return self.piece(leaf, index, device), False
     spec = self.plan.specs[leaf]
-    out = np.empty(tuple(b - a for a, b in index), spec.np_dtype)
-    for pidx, dst, src in overlaps(pieces, index):
-      out[dst] = self.piece(leaf, pidx)[src]
-    return out, True
+    parts = [(dst, self.piece(leaf, pidx, device), src)
+             for pidx, dst, src in overlaps(pieces, index)]
+    if device is None or not any(isinstance(p, jax.Array) for _, p, _ in parts):
+      out = np.empty(shape_of(index), spec.np_dtype)
+      for dst, part, src in parts:
+        out[dst] = np.asarray(part)[src]
+      return out, True
+    dev = jnp.zeros(shape_of(index), spec.np_dtype, device=device)
+    for dst, part, src in parts:  # cut and placed on ``device``
+      dev = dev.at[dst].set(jax.device_put(part[src], device))
+    return dev, True
 
   def leaf(self, leaf: int, target_spec: LeafSpec, target: Any) -> Any:
     spec = self.plan.specs[leaf]
     if spec.kind is LeafKind.SCALAR:
       return self.plan.scalars.get(leaf)
-    return build_leaf(spec, target_spec, target, lambda idx: self.region(leaf, idx))
+    return build_leaf(spec, target_spec, target, lambda idx, dev: self.region(leaf, idx, dev),
+                      fast=lambda sharding, wanted: self.source.place_leaf(
+                          self, leaf, sharding, wanted))
 
   def tree(self, target_specs: Sequence[LeafSpec], targets: Sequence[Any]) -> list[Any]:
     by_path = {s.path: i for i, s in enumerate(self.plan.specs)}
     return [self.leaf(by_path[t.path], t, tgt) for t, tgt in zip(target_specs, targets)]
 
 
-# Returns (array of the global region ``index``, whether it is a fresh buffer).
-Region = Callable[[Index], tuple[np.ndarray, bool]]
+FastPath = Callable[[jax.sharding.Sharding, Sequence[tuple[jax.Device, Index]]],
+                    jax.Array | None]
 
 
-def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Region) -> Any:
-  """One restored leaf in the target's layout, cut region by region."""
-  full = tuple((0, d) for d in spec.shape)
+def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Region, *,
+               fast: FastPath | None = None) -> Any:
+  """One restored leaf in the target's layout, cut region by region (or built
+  at once by ``fast`` where it can)."""
+  whole = full(spec.shape)
   if wants_numpy(spec, target_spec, target):
-    arr, fresh = region(full)
-    arr = arr if fresh else np.array(arr, copy=True)
+    arr, fresh = region(whole, None)
+    arr = np.asarray(arr) if fresh else np.array(arr, copy=True)
     return arr[()] if isinstance(target, np.generic) else arr
   sharding = target_sharding(target)
-  idx_map = sharding.addressable_devices_indices_map(spec.shape)
-  by_index: dict[Index, np.ndarray] = {}
-  bufs = []
-  for device, idx in idx_map.items():
-    nidx = tuple((s.indices(d)[0], s.indices(d)[1]) for s, d in
-                 zip(idx, spec.shape)) if idx is not None else full
-    if nidx not in by_index:
-      by_index[nidx] = region(nidx)[0]
-    bufs.append(jax.device_put(by_index[nidx], device, may_alias=False))
-  arr = jax.make_array_from_single_device_arrays(spec.shape, sharding, bufs)
+  on_device = (sharding.with_memory_kind("device")
+               if sharding.memory_kind not in (None, "device") else sharding)
+  wanted = [(device, normalize(idx, spec.shape))
+            for device, idx in sharding.addressable_devices_indices_map(spec.shape).items()]
+  arr = fast(on_device, wanted) if fast is not None else None
+  if arr is None:
+    host: dict[Index, np.ndarray] = {}  # one host region per distinct index
+    bufs = []
+    for device, nidx in wanted:
+      got = host.get(nidx)
+      if got is None:
+        got, _ = region(nidx, device)
+        if not isinstance(got, jax.Array):
+          host[nidx] = got
+      bufs.append(got if isinstance(got, jax.Array) and device in got.devices()
+                  else jax.device_put(got, device, may_alias=False))
+    arr = jax.make_array_from_single_device_arrays(spec.shape, on_device, bufs)
+  if on_device is not sharding:
+    arr = jax.device_put(arr, sharding)
   if spec.kind is LeafKind.KEY:
     arr = jax.random.wrap_key_data(arr, impl=spec.key_impl)
   return arr
 
 
-def full_region(full: np.ndarray) -> Region:
+def full_region(whole: np.ndarray) -> Region:
   """A Region over one complete host array."""
-  return lambda idx: (full[tuple(slice(a, b) for a, b in idx)], False)
+  return lambda idx, device: (np.asarray(whole[to_slices(idx)]), False)

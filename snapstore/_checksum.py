@@ -1,9 +1,11 @@
-"""Integrity checks for the pinned-host store, computed where the bytes are.
+"""Integrity checks of stored pieces, computed where the bytes are
+(:class:`ChecksumKind`, recorded per piece in the manifest).
 
-* ``host``: crc32c of the pinned buffer itself, where the controller can
-  address it without a copy (CPU devices: ``np.asarray`` of a ``pinned_host``
-  array is a view of its buffer). Fast (hardware crc32c).
-* ``device``: the pinned copies live in the TPU hosts' RAM, which a single
+* ``CRC32C``: crc32c of each ``chunk_bytes`` chunk of a host buffer (host
+  files; and pinned host buffers where the controller can address them
+  without a copy: on CPU ``np.asarray`` of a ``pinned_host`` array is a view
+  of its buffer). Hardware crc32c, computed while the chunk is hot in cache.
+* ``DEVICE_SUM``: the pinned copies live in the TPU hosts' RAM, which a single
   controller cannot read without moving them, so each shard gets a 64-bit sum
   computed by XLA on its device at capture, and again on the device that
   receives the copy at restore. Defined below.
@@ -21,7 +23,10 @@ one lane, by any number of bits, always changes both sums; other corruptions
 
 from __future__ import annotations
 
+import enum
 import functools
+from collections.abc import Sequence
+from concurrent import futures
 
 import crc32c
 import jax
@@ -31,6 +36,40 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 Checksum = tuple[int, ...]
+
+
+class ChecksumKind(enum.Enum):
+  """How a stored piece's checksum was computed (recorded per piece)."""
+
+  CRC32C = "crc32c"          # crc32c of each chunk_bytes chunk, on the host
+  DEVICE_SUM = "device_sum"  # two position-keyed 32-bit sums, by XLA on the device
+
+
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+  return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _chunk_starts(n: int, chunk_bytes: int) -> list[int]:
+  return list(range(0, max(n, 1), chunk_bytes))
+
+
+def crc_chunks(buf: np.ndarray, *, chunk_bytes: int,
+               pool: futures.Executor | None = None) -> Checksum:
+  """crc32c of each ``chunk_bytes`` chunk of ``buf`` (on ``pool`` if given)."""
+  raw = _flat_bytes(buf)
+  n = raw.nbytes
+  one = lambda a: crc32c.crc32c(raw[a:min(a + chunk_bytes, n)])  # noqa: E731
+  starts = _chunk_starts(n, chunk_bytes)
+  return tuple(pool.map(one, starts) if pool is not None and len(starts) > 1
+               else map(one, starts))
+
+
+def crc_matches(buf: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int,
+                pool: futures.Executor | None = None) -> bool:
+  """True if every chunk of ``buf`` matches its recorded crc32c."""
+  if len(_chunk_starts(_flat_bytes(buf).nbytes, chunk_bytes)) != len(crcs):
+    return False
+  return crc_chunks(buf, chunk_bytes=chunk_bytes, pool=pool) == tuple(crcs)
 
 _GOLDEN = 0x9E3779B9
 _SEEDS = (0x243F6A88, 0x85A308D3)
@@ -91,11 +130,6 @@ def shard_checksums(arr: jax.Array) -> tuple[jax.Array, dict[jax.Device, int]] |
     return None
   out = _per_shard_fn(mesh, sharding.spec)(arr)
   return out, {d: r for r, d in enumerate(mesh.devices.flat)}
-
-
-def host_crc(a: np.ndarray) -> Checksum:
-  """crc32c of a host buffer (a 1-tuple, to sit beside the device sums)."""
-  return (crc32c.crc32c(np.ascontiguousarray(a).reshape(-1).view(np.uint8)),)
 
 
 def as_checksum(x: jax.Array | np.ndarray) -> Checksum:

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._layout import Index
+from ._index import Index, covered, normalize, volume
 from ._manifest import Manifest, decode, encode
 from ._planner import Copy, StepPlan
 
@@ -47,7 +47,7 @@ def gather_ints(value: Sequence[int]) -> np.ndarray:
 
 def chosen_source(copies: Sequence[Copy]) -> Copy:
   """The copy every host agrees to use: the owner's own, else the lowest host."""
-  return sorted(copies, key=lambda c: (c.host != c.record.owner, c.host))[0]
+  return sorted(copies, key=lambda c: (c.store != c.record.owner, c.store))[0]
 
 
 def locally_coverable(plan: StepPlan, leaf: int, sharding: jax.sharding.Sharding,
@@ -57,16 +57,10 @@ def locally_coverable(plan: StepPlan, leaf: int, sharding: jax.sharding.Sharding
   for (lf, idx), copies in plan.copies.items():
     if lf == leaf:
       for c in copies:
-        held.setdefault(c.host, set()).add(idx)
+        held.setdefault(c.store, set()).add(idx)
   for device, idx in sharding.devices_indices_map(shape).items():
-    target = tuple((s.indices(d)[0], s.indices(d)[1]) for s, d in zip(idx, shape))
-    mine = held.get(device.process_index, set())
-    vol = 0
-    for p in mine:
-      ov = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(p, target)]
-      if all(lo < hi for lo, hi in ov):
-        vol += int(np.prod([hi - lo for lo, hi in ov]))
-    if vol != int(np.prod([b - a for a, b in target])):
+    target = normalize(idx, shape)
+    if covered(held.get(device.process_index, set()), target) != volume(target):
       return False
   return True
 

@@ -20,9 +20,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import errors
+from . import _index, errors
+from ._index import Index
 
-Index = tuple[tuple[int, int], ...]
 SCALAR_TYPES = (bool, int, float, str)
 
 
@@ -66,22 +66,11 @@ class Piece:
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return tuple(b - a for a, b in self.index)
+    return _index.shape_of(self.index)
 
 
 def path_str(path: Sequence[Any]) -> str:
   return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or "<root>"
-
-
-def normalize_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
-  out = []
-  for i, dim in enumerate(shape):
-    s = index[i] if i < len(index) else slice(None)
-    start, stop, step = s.indices(dim)
-    if step != 1:
-      raise ValueError(f"strided shard index {index} is not supported")
-    out.append((start, stop))
-  return tuple(out)
 
 
 def is_key(x: Any) -> bool:
@@ -119,9 +108,26 @@ def flatten(tree: Any) -> tuple[list[LeafSpec], list[Any], Any]:
   return specs, [leaf for _, leaf in with_path], treedef
 
 
+def spec_row(s: LeafSpec) -> list[Any]:
+  """One leaf spec as a plain row (manifests, the persistent tier, digests)."""
+  return [s.path, s.kind.value, s.dtype, list(s.shape), s.key_impl]
+
+
+def spec_from_row(row: Any) -> LeafSpec:
+  """The inverse of :func:`spec_row`; raises ValueError/TypeError on a bad row."""
+  path, kind, dtype, shape, key_impl = row
+  for name, v in (("path", path), ("dtype", dtype), ("key_impl", key_impl)):
+    if not isinstance(v, str):
+      raise TypeError(f"leaf {name} is {type(v).__name__}, not str")
+  dims = tuple(shape)
+  if any(type(d) is not int or d < 0 for d in dims):
+    raise ValueError(f"leaf shape {shape!r} is not a tuple of non-negative ints")
+  return LeafSpec(path, LeafKind(kind), dtype, dims, key_impl)
+
+
 def tree_digest(specs: Sequence[LeafSpec]) -> str:
   """A digest of paths, kinds, dtypes and shapes: equal trees, equal digests."""
-  rows = [[s.path, s.kind.value, s.dtype, list(s.shape), s.key_impl] for s in specs]
+  rows = [spec_row(s) for s in specs]
   return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:32]
 
 
@@ -161,10 +167,9 @@ def _piece_plan(leaf_idx: int, sharding: jax.sharding.Sharding, shape: tuple[int
   out: dict[Index, tuple[int, Piece]] = {}
   idx_map = sharding.addressable_devices_indices_map(shape)
   for device in sorted(idx_map, key=lambda d: d.id):
-    idx = normalize_index(idx_map[device], shape)
+    idx = _index.normalize(idx_map[device], shape)
     if idx not in out:
-      n = int(np.prod([b - a for a, b in idx], dtype=np.int64)) * itemsize
-      out[idx] = (device.id, Piece(leaf_idx, idx, n))
+      out[idx] = (device.id, Piece(leaf_idx, idx, _index.nbytes(idx, itemsize)))
   return tuple(out.values())
 
 
@@ -198,3 +203,12 @@ def wants_numpy(saved: LeafSpec, target_spec: LeafSpec, target: Any) -> bool:
   for one, or a numpy leaf was saved and the target carries no sharding."""
   return target_spec.kind is LeafKind.NUMPY or (
       saved.kind is LeafKind.NUMPY and getattr(target, "sharding", None) is None)
+
+
+def target_sharding(target: Any) -> jax.sharding.Sharding:
+  """The sharding a restored jax.Array leaf should have (the target's, else
+  the first device)."""
+  sharding = getattr(target, "sharding", None)
+  if sharding is None:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return sharding

@@ -1,7 +1,8 @@
 """The per-host, per-step manifest: versioned msgpack, parsed defensively.
 
-A manifest names every piece a host holds for one step (leaf, global index,
-offset in the slot file, crc32c of each chunk, the host that owns it), the tree
+A manifest names every piece a store holds for one step (leaf, global index,
+where it sits in the store, its checksum and how that was computed, the host or
+failure domain that owns it), the tree
 digest, and the fencing fields (run id, incarnation). It is written last and
 atomically: a step without a valid manifest does not exist.
 """
@@ -16,21 +17,38 @@ from typing import Any
 import msgpack
 
 from . import errors
-from ._layout import Index, LeafKind, LeafSpec, SCALAR_TYPES
+from ._checksum import ChecksumKind
+from ._index import Index
+from ._layout import LeafKind, LeafSpec, SCALAR_TYPES, spec_from_row, spec_row
 
 FORMAT = "snapstore/manifest"
-VERSION = 1
+VERSION = 2
 MAX_MANIFEST_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class PieceRecord:
+  """One stored piece.
+
+  Attributes:
+    leaf: position of its leaf in ``Manifest.leaves``.
+    index: the global region of the leaf it covers.
+    offset: where it sits in its store: a byte offset in the slot file (host
+      files), a position in the snapshot's array list (pinned host).
+    nbytes: its size.
+    checksum: the checksum values, computed as ``kind`` says.
+    owner: the host (failure domain, on a single controller) whose devices
+      held this shard at save time.
+    kind: how ``checksum`` was computed.
+  """
+
   leaf: int
   index: Index
   offset: int
   nbytes: int
-  crcs: tuple[int, ...]  # crc32c of each chunk_bytes-sized chunk
-  owner: int             # the host whose devices held this shard at save time
+  checksum: tuple[int, ...]
+  owner: int
+  kind: ChecksumKind = ChecksumKind.CRC32C
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +56,10 @@ class Manifest:
   run_id: str
   incarnation: int
   step: int
-  host: int
+  host: int          # the store's id: process index, or failure domain (slice)
   num_hosts: int
   tree_digest: str
-  slot: int
+  slot: int          # which of the store's reused slots holds the pieces
   chunk_bytes: int
   leaves: tuple[LeafSpec, ...]
   pieces: tuple[PieceRecord, ...]
@@ -60,10 +78,9 @@ def encode(m: Manifest) -> bytes:
       "run_id": m.run_id, "incarnation": m.incarnation, "step": m.step,
       "host": m.host, "num_hosts": m.num_hosts, "tree_digest": m.tree_digest,
       "slot": m.slot, "chunk_bytes": m.chunk_bytes, "created": m.created,
-      "leaves": [[s.path, s.kind.value, s.dtype, list(s.shape), s.key_impl]
-                 for s in m.leaves],
+      "leaves": [spec_row(s) for s in m.leaves],
       "pieces": [[p.leaf, [list(r) for r in p.index], p.offset, p.nbytes,
-                  list(p.crcs), p.owner] for p in m.pieces],
+                  list(p.checksum), p.owner, p.kind.value] for p in m.pieces],
       "scalars": [[k, v] for k, v in sorted(m.scalars.items())],
       "extra": m.extra,
   }
@@ -125,14 +142,10 @@ def _from_doc(doc: Any) -> Manifest:
     raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT!r}")
   if doc.get("version") != VERSION:
     raise ValueError(f"version {doc.get('version')!r} is not supported (want {VERSION})")
-  leaves = []
-  for row in doc["leaves"]:
-    path, kind, dtype, shape, key_impl = row
-    leaves.append(LeafSpec(_str(path), LeafKind(kind), _str(dtype),
-                           tuple(_int(d) for d in shape), _str(key_impl)))
+  leaves = [spec_from_row(row) for row in doc["leaves"]]
   pieces = []
   for row in doc["pieces"]:
-    leaf, index, offset, nbytes, crcs, owner = row
+    leaf, index, offset, nbytes, crcs, owner, kind = row
     leaf = _int(leaf)
     if leaf >= len(leaves):
       raise ValueError(f"piece names leaf {leaf} of {len(leaves)}")
@@ -141,7 +154,7 @@ def _from_doc(doc: Any) -> Manifest:
         not a <= b <= d for (a, b), d in zip(idx, leaves[leaf].shape)):
       raise ValueError(f"piece index {idx} outside leaf shape {leaves[leaf].shape}")
     pieces.append(PieceRecord(leaf, idx, _int(offset), _int(nbytes),
-                              tuple(_int(c) for c in crcs), _int(owner)))
+                              tuple(_int(c) for c in crcs), _int(owner), ChecksumKind(kind)))
   scalars = {}
   for k, v in doc["scalars"]:
     k = _int(k)

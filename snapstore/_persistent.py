@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from . import errors
-from ._layout import LeafKind, LeafSpec
+from ._layout import LeafKind, LeafSpec, spec_from_row, spec_row, target_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,7 @@ class OrbaxTier:
       else:
         arrays[_name(i)] = leaf
     meta = {
-        "leaves": [[s.path, s.kind.value, s.dtype, list(s.shape), s.key_impl]
-                   for s in specs],
+        "leaves": [spec_row(s) for s in specs],
         "scalars": scalars,
         "extra": base64.b64encode(msgpack.packb(extra, use_bin_type=True)).decode(),
     }
@@ -128,7 +127,7 @@ class OrbaxTier:
   def saved_specs(self, step: int) -> list[LeafSpec]:
     meta = self.manager.restore(step, args=ocp.args.Composite(
         **{META: ocp.args.JsonRestore()}))[META]
-    return [LeafSpec(p, LeafKind(k), d, tuple(s), ki) for p, k, d, s, ki in meta["leaves"]]
+    return [spec_from_row(row) for row in meta["leaves"]]
 
   def wait_until_finished(self) -> None:
     self.manager.wait_until_finished()
@@ -136,10 +135,3 @@ class OrbaxTier:
   def close(self) -> None:
     self.manager.close()
 
-
-def target_sharding(target: Any) -> jax.sharding.Sharding:
-  """The sharding a restored jax.Array leaf should have."""
-  sharding = getattr(target, "sharding", None)
-  if sharding is None:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return sharding

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._layout import normalize_index
+from ._index import Index, normalize
 
 
 def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) -> dict[int, int]:
@@ -76,7 +76,7 @@ def replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
   idx_map = sharding.devices_indices_map(shape)
   holders: dict[tuple, set[int]] = collections.defaultdict(set)
   for d, idx in idx_map.items():
-    holders[normalize_index(idx, shape)].add(domains[d.process_index])
+    holders[normalize(idx, shape)].add(domains[d.process_index])
   if all(len(v) >= min(replicas + 1, num_domains) for v in holders.values()):
     return []
   mesh = sharding.mesh
@@ -95,7 +95,7 @@ def owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[tupl
   """global index -> lowest process index holding it in ``sharding``."""
   out: dict[tuple, int] = {}
   for d, idx in sharding.devices_indices_map(shape).items():
-    key = normalize_index(idx, shape)
+    key = normalize(idx, shape)
     out[key] = min(out.get(key, d.process_index), d.process_index)
   return out
 
@@ -183,3 +183,19 @@ def ring_keepers(holders: Collection[int], order: Sequence[int], replicas: int) 
     k = (k + 1) % len(order)
     keepers.add(order[k])
   return sorted(keepers)
+
+
+def holders_by_domain(path: str, arr: jax.Array, domain_of: Mapping[jax.Device, int]
+                      ) -> dict[Index, dict[int, jax.Array]]:
+  """Single controller: global index -> failure domain -> that domain's data
+  of the shard (its first device's), for every addressable shard of ``arr``.
+  Raises ValueError if a shard sits on a device of no active domain."""
+  shape = tuple(arr.shape)
+  out: dict[Index, dict[int, jax.Array]] = {}
+  for shard in arr.addressable_shards:
+    d = domain_of.get(shard.device)
+    if d is None:
+      raise ValueError(f"leaf {path!r} has a shard on {shard.device}, which is in no "
+                       "slice that is up; snapshots go to the active slices only")
+    out.setdefault(normalize(shard.index, shape), {}).setdefault(d, shard.data)
+  return out

@@ -13,28 +13,29 @@ import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-from ._layout import Index, LeafSpec
+from . import errors
+from ._index import Index, full, volume
+from ._layout import LeafKind, LeafSpec
 from ._manifest import Manifest, PieceRecord
 
 logger = logging.getLogger(__name__)
 
-# (host, step, leaf, index): one stored copy that failed verification.
+# (store, step, leaf, index): one stored copy that failed verification.
 CopyKey = tuple[int, int, int, Index]
 
 
 @dataclasses.dataclass(frozen=True)
 class Copy:
-  """One stored copy of one piece: which host's store, which slot, where."""
+  """One stored copy of one piece: which store (a process's host store, or
+  one failure domain's store on a single controller), which slot, where."""
 
-  host: int
+  store: int
   slot: int
   record: PieceRecord
   slot_bytes: int
 
   def key(self, step: int) -> CopyKey:
-    return (self.host, step, self.record.leaf, self.record.index)
+    return (self.store, step, self.record.leaf, self.record.index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class StepPlan:
   copies: Mapping[tuple[int, Index], tuple[Copy, ...]]  # preference order
   scalars: Mapping[int, Any]
   extra: Any
-  hosts: tuple[int, ...]
+  stores: tuple[int, ...]
 
   def leaf_copies(self, leaf: int) -> dict[Index, tuple[Copy, ...]]:
     return {idx: c for (lf, idx), c in self.copies.items() if lf == leaf}
@@ -75,12 +76,8 @@ def fence(manifests: Iterable[Manifest]) -> list[Manifest]:
   return out
 
 
-def _volume(index: Index) -> int:
-  return int(np.prod([b - a for a, b in index], dtype=np.int64))
-
-
 def plan_step(step: int, manifests: Sequence[Manifest], *,
-              bad: Collection[CopyKey] = (), prefer_host: int = 0,
+              bad: Collection[CopyKey] = (), prefer_store: int = 0,
               reasons: list[str] | None = None) -> StepPlan | None:
   """A plan for ``step`` if every piece of every leaf has a usable copy
   (else None, with why appended to ``reasons``)."""
@@ -98,17 +95,17 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
     return None
   ref = ms[0]
   copies: dict[tuple[int, Index], list[Copy]] = collections.defaultdict(list)
-  for m in sorted(ms, key=lambda m: (m.host != prefer_host, m.host)):
+  for m in sorted(ms, key=lambda m: (m.host != prefer_store, m.host)):
     slot_bytes = max((p.offset + p.nbytes for p in m.pieces), default=0)
     for p in m.pieces:
       c = Copy(m.host, m.slot, p, slot_bytes)
       if c.key(step) not in bad:
         copies[(p.leaf, p.index)].append(c)
   for leaf, spec in enumerate(ref.leaves):
-    if spec.kind.value == "scalar":
+    if spec.kind is LeafKind.SCALAR:
       continue
-    have = sum(_volume(idx) for (lf, idx) in copies if lf == leaf)
-    want = _volume(tuple((0, d) for d in spec.shape))
+    have = sum(volume(idx) for (lf, idx) in copies if lf == leaf)
+    want = volume(full(spec.shape))
     if have != want:
       why = (f"step {step}: leaf {spec.path!r} has no complete set of surviving copies "
              f"({have} of {want} elements)")
@@ -120,11 +117,11 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
                   tree_digest=ref.tree_digest, chunk_bytes=ref.chunk_bytes,
                   copies={k: tuple(v) for k, v in copies.items()},
                   scalars=dict(ref.scalars), extra=ref.extra,
-                  hosts=tuple(sorted({m.host for m in ms})))
+                  stores=tuple(sorted({m.host for m in ms})))
 
 
 def choose(manifests: Iterable[Manifest], *, step: int | None = None,
-           bad: Collection[CopyKey] = (), prefer_host: int = 0,
+           bad: Collection[CopyKey] = (), prefer_store: int = 0,
            reasons: list[str] | None = None) -> StepPlan | None:
   """The freshest recoverable step (or exactly ``step``); None if none is.
   Why fresher steps were rejected is appended to ``reasons``."""
@@ -133,7 +130,49 @@ def choose(manifests: Iterable[Manifest], *, step: int | None = None,
   if step is not None:
     steps = [s for s in steps if s == step]
   for s in steps:
-    plan = plan_step(s, ms, bad=bad, prefer_host=prefer_host, reasons=reasons)
+    plan = plan_step(s, ms, bad=bad, prefer_store=prefer_store, reasons=reasons)
     if plan is not None:
       return plan
   return None
+
+
+# ---------------------------------------------------------------- retention
+def retention(manifests: Sequence[Manifest], keep: int) -> list[tuple[Manifest, str]]:
+  """The manifests of one store to delete, and why: those a newer
+  incarnation superseded, then all but the newest ``keep`` valid ones. A pure
+  function of the manifests; the store applies it."""
+  valid = fence(manifests)
+  out = [(m, "superseded by a newer incarnation") for m in manifests if m not in valid]
+  out += [(m, f"retention keeps {keep}") for m in valid[:-keep]]
+  return out
+
+
+def slot_count(snapshot_bytes: int, *, keep: int, budget_bytes: int | None,
+               where: str) -> int:
+  """How many snapshots of ``snapshot_bytes`` one store may hold at once:
+  ``min(keep + 1, budget // size)``; one is written while the newest
+  complete ones stay readable. Raises BudgetExceededError if the budget
+  cannot hold two."""
+  want = keep + 1
+  if budget_bytes is None:
+    return want
+  fit = budget_bytes // max(snapshot_bytes, 1)
+  if fit < 2:
+    raise errors.BudgetExceededError(
+        f"a snapshot of this state takes {snapshot_bytes} bytes in {where}; the "
+        f"budget of {budget_bytes} bytes must hold two (the newest complete one and "
+        f"the one being written): raise budget_bytes to at least "
+        f"{2 * snapshot_bytes} or shrink the state.")
+  return min(want, fit)
+
+
+def free_slot(manifests: Sequence[Manifest], num_slots: int) -> tuple[int, Manifest | None]:
+  """A slot that no valid manifest of one store uses, or else the oldest
+  valid manifest's slot with that manifest (the caller evicts it first)."""
+  valid = fence(manifests)
+  used = {m.slot for m in valid}
+  for i in range(num_slots):
+    if i not in used:
+      return i, None
+  oldest = min(valid, key=lambda m: m.step)
+  return oldest.slot, oldest

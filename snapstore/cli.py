@@ -1,6 +1,7 @@
 """The snapstore command line: ``demo``, ``launch``, ``inspect``, ``bench``.
 
-Output goes through rich; the library itself never configures logging.
+Plain-text output; ``demo`` (the ``[demo]`` extra) draws with rich. The
+library itself never configures logging: this does.
 """
 
 from __future__ import annotations
@@ -17,64 +18,18 @@ from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
-  from rich.console import Console  # noqa: PLC0415
-  from rich.progress import Progress  # noqa: PLC0415
-  from rich.table import Table  # noqa: PLC0415
-
-  from ._demo import HOSTS, KILLED_HOST, run_demo  # noqa: PLC0415
-  console = Console()
-  console.print(f"[bold]snapstore demo[/]: a small transformer on {HOSTS} local host "
-                f"processes (jax.distributed, 2 CPU devices each), snapshot every step, "
-                f"Orbax every {args.checkpoint_every} steps on "
-                f"{args.persistent_dir or 'a local GCS emulator'}; SIGKILL host "
-                f"{KILLED_HOST} at step {args.kill_step} and replace it; then the same "
-                "with GCS only")
-  with Progress(console=console) as bar:
-    tasks: dict[str, int] = {}
-
-    def progress(run: str, step: int) -> None:
-      if run not in tasks:
-        tasks[run] = bar.add_task(run, total=args.total_steps)
-      bar.update(tasks[run], completed=step)
-
-    try:
-      out = run_demo(kill_step=args.kill_step, checkpoint_every=args.checkpoint_every,
-                     total_steps=args.total_steps, step_s=args.step_s,
-                     persistent_dir=args.persistent_dir,
-                     report=args.report, plot=args.plot, progress=progress)
-    except (RuntimeError, OSError, ValueError, TimeoutError) as e:
-      console.print(f"[red]demo failed:[/] {e}")
-      return 1
-  table = Table(title=f"SIGKILL host {KILLED_HOST} at step {args.kill_step}: recovery")
-  table.add_column("")
-  for run in out["runs"]:
-    table.add_column(run, justify="right")
-  rows = [("restored step", "restored_step", "{}"), ("source", "source", "{}"),
-          ("rewind (steps recomputed)", "rewind_steps", "{}"),
-          ("detection (s)", "detection_s", "{:.2f}"),
-          ("restart: processes, jax, model (s)", "restart_s", "{:.2f}"),
-          ("restore (s)", "restore_s", "{:.2f}"),
-          ("first step after restore, warm-up (s)", "first_step_s", "{:.2f}"),
-          ("replay of the other lost steps (s)", "replay_s", "{:.2f}"),
-          ("kill -> first new step (s)", "kill_to_first_new_step_s", "{:.2f}"),
-          ("state bytes read from GCS", "bytes_read_gcs", "{:,}"),
-          ("bytes read from host RAM (host 0)", "bytes_read_ram", "{:,}"),
-          ("bytes moved between hosts (host 0)", "bytes_exchanged", "{:,}"),
-          ("median step before the kill (ms)", "step_s", "{:.1f}")]
-  for label, key, fmt in rows:
-    vals = [r[key] * (1e3 if key == "step_s" else 1) for r in out["runs"].values()]
-    table.add_row(label, *[fmt.format(v) for v in vals])
-  console.print(table)
-  console.print(f"per-step snapshot overhead: {out['snapshot_overhead']:+.1%} "
-                f"(median step with snapshots vs the GCS-only run; steps padded to "
-                f"{args.step_s} s; 4 processes share this machine's cores: expect noise)")
-  console.print(f"final states bitwise equal: {out['final_states_equal']}")
-  console.print(f"report: {out['report']}\ntimeline: {out['plot']}")
-  return 0 if out["final_states_equal"] else 2
+  try:
+    from .demo.cli import run  # noqa: PLC0415
+  except ImportError as e:
+    print(f"snapstore demo needs the demo extra ({e.name or e} is missing): "
+          "pip install 'snapstore[demo]' (from a checkout: pip install -e '.[demo]')",
+          file=sys.stderr)
+    return 1
+  return run(args)
 
 
 def _inspect(args: argparse.Namespace) -> int:
-  from ._hoststore import HostStore  # noqa: PLC0415
+  from ._backends.hostfiles.store import HostStore  # noqa: PLC0415
   root = Path(args.store)
   rows = []
   for host_root in sorted(root.glob("host-*")) or [root]:
@@ -114,18 +69,22 @@ def _parse_kill(text: str) -> Any:
     raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def _launch(args: argparse.Namespace) -> int:
-  from rich.console import Console  # noqa: PLC0415
-  from rich.table import Table  # noqa: PLC0415
+def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  """A plain-text table (the core CLI has no dependency beyond the engine's)."""
+  widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+  line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))  # noqa: E731
+  return "\n".join([title, line(header), line(["-" * w for w in widths]),
+                    *[line(r) for r in rows]])
 
+
+def _launch(args: argparse.Namespace) -> int:
   from .launch import launch  # noqa: PLC0415
-  console = Console()
   cmd = list(args.command)
   if cmd and cmd[0] == "--":
     cmd = cmd[1:]
   if not cmd:
-    console.print("[red]snapstore launch: name a module to run, e.g. "
-                  "snapstore launch -- snapstore._worker --steps 20 ...[/]")
+    print("snapstore launch: name a module to run, e.g. "
+          "snapstore launch -- snapstore.demo.worker --steps 20 ...")
     return 2
   try:
     incs = launch(cmd[0], cmd[1:], num_hosts=args.hosts, devices_per_host=args.devices_per_host,
@@ -133,21 +92,20 @@ def _launch(args: argparse.Namespace) -> int:
                   shrink_to=args.shrink_to, max_incarnations=args.max_incarnations,
                   timeout_s=args.timeout, log_dir=args.log_dir)
   except (RuntimeError, TimeoutError) as e:
-    console.print(f"[red]{e}[/]")
+    print(f"snapstore launch: {e}", file=sys.stderr)
     return 1
-  table = Table(title=f"snapstore launch: {cmd[0]} on {args.hosts} hosts")
-  for col in ("incarnation", "hosts", "seconds", "failure", "restored step", "source",
-              "rewind"):
-    table.add_column(col)
+  rows = []
   for inc in incs:
     r = inc.restore or {}
-    table.add_row(str(inc.number), str(inc.num_hosts), f"{inc.ended - inc.started:.1f}",
-                  inc.failure or "-", str(r.get("step", "-")), r.get("source", "-"),
-                  str(r.get("rewind_steps", "-")))
-  console.print(table)
+    rows.append([inc.number, inc.num_hosts, f"{inc.ended - inc.started:.1f}",
+                 inc.failure or "-", r.get("step", "-"), r.get("source", "-"),
+                 r.get("rewind_steps", "-")])
+  print(_table(f"snapstore launch: {cmd[0]} on {args.hosts} hosts",
+               ["incarnation", "hosts", "seconds", "failure", "restored step", "source",
+                "rewind"], rows))
   if args.json:
     Path(args.json).write_text(json.dumps([i.as_dict() for i in incs], indent=2))
-    console.print(f"report: {args.json}")
+    print(f"report: {args.json}")
   return 0
 
 

@@ -46,5 +46,10 @@ class BudgetExceededError(SnapstoreError, MemoryError):
   """The host store cannot hold the snapshots within its byte budget."""
 
 
-class SnapshotInProgressError(SnapstoreError, RuntimeError):
-  """A snapshot failed in its background drain; carries the original error."""
+class DrainFailedError(SnapstoreError, RuntimeError):
+  """A snapshot failed in its background drain (copy, checksum or commit);
+  the original error is its ``__cause__``. Nothing of that step was committed."""
+
+
+#: The name of :class:`DrainFailedError` before 0.2 (kept as an alias).
+SnapshotInProgressError = DrainFailedError

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from . import _faults
-from ._hoststore import host_dir, read_progress
+from ._backends.hostfiles.store import host_dir, read_progress
+from ._manifest import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,25 @@ class Incarnation:
 
   def as_dict(self) -> dict[str, Any]:
     return dict(dataclasses.asdict(self), ok=self.ok, failure=self.failure)
+
+
+REPORT_DIR_ENV = "SNAPSTORE_REPORT_DIR"
+INCARNATION_ENV = "SNAPSTORE_INCARNATION"
+
+
+def incarnation_from_env() -> int | None:
+  """``$SNAPSTORE_INCARNATION`` (set for each worker by :func:`launch`), or None."""
+  value = os.environ.get(INCARNATION_ENV, "")
+  return int(value) if value.isdigit() else None
+
+
+def report_restore(summary: dict[str, Any], incarnation: int) -> None:
+  """Under :func:`launch` (``SNAPSTORE_REPORT_DIR`` set): writes host 0's
+  restore summary where the supervisor reads it for its incarnation report."""
+  where = os.environ.get(REPORT_DIR_ENV)
+  if where:
+    doc = dict(summary, incarnation=incarnation, time=time.time())
+    write_atomic(Path(where) / f"restore-inc{incarnation}.json", json.dumps(doc).encode())
 
 
 def init_from_env() -> tuple[int, int, int]:

@@ -23,6 +23,6 @@ def store_dir():
 
 @pytest.fixture(scope="session")
 def gcs():
-  from snapstore.gcs_emulator import GcsEmulator
+  from snapstore.demo.gcs_emulator import GcsEmulator
   with GcsEmulator(bucket="ckpt") as emu:
     yield emu

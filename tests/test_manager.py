@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import snapstore
-from snapstore.example import ModelConfig, Trainer
+from snapstore.demo.example import ModelConfig, Trainer
 from tests.helpers import assert_bitwise_equal, host_copy, shardings
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from snapstore._hoststore import host_dir
+from snapstore._backends.hostfiles.store import host_dir
 from snapstore._manifest import decode
 from snapstore.launch import Kill, launch
 
@@ -39,7 +39,7 @@ class Job:
     env = {"JAX_COMPILATION_CACHE_DIR": str(self.cache_dir),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     try:
-      self.incs = launch("snapstore._worker",
+      self.incs = launch("snapstore.demo.worker",
                          ["--steps", str(STEPS), "--out", str(self.out), "--store",
                           str(self.store), *args],
                          num_hosts=HOSTS, devices_per_host=2, store_dir=self.store,

@@ -90,7 +90,7 @@ def run_elastic(store_dir, lose, options, *, fail_at=5, total=8,
   trainer = ElasticTrainer(elastic, options=options, store_dir=store_dir, run_id="pw",
                            persistent=persistent, persistent_interval=2 if persistent else 0)
   # CPU devices have pinned_host memory: the slices' snapshots are pinned arrays.
-  assert trainer.snapshots.store_kind is StoreKind.PINNED_HOST
+  assert trainer.snapshots.backend.kind is StoreKind.PINNED_HOST
   saved: dict[int, object] = {}
   meshes = []
   # DeviceLossSimulator tracks arrays by id(): keep every array alive so no
@@ -180,9 +180,10 @@ def test_snapshotter_keeps_single_device_leaves_and_keys(slices, store_dir):
 
 @pytest.mark.parametrize("store", [StoreKind.PINNED_HOST, StoreKind.HOST_FILES])
 def test_save_never_drops_a_step_silently(store, store_dir, monkeypatch):
-  from snapstore import _capture, _pinnedstore
+  from snapstore._backends.hostfiles import capture as _capture
+  from snapstore._backends.pinned import capture as _pinned_capture
   slow = threading.Event()
-  real_drain, real_wait = _capture.drain, _pinnedstore.PinnedCapture.wait
+  real_drain, real_wait = _capture.drain, _pinned_capture.PinnedCapture.wait
 
   def slow_drain(*a, **k):
     slow.wait(2)
@@ -192,7 +193,7 @@ def test_save_never_drops_a_step_silently(store, store_dir, monkeypatch):
     slow.wait(2)
     return real_wait(self)
   monkeypatch.setattr(_capture, "drain", slow_drain)
-  monkeypatch.setattr(_pinnedstore.PinnedCapture, "wait", slow_wait)
+  monkeypatch.setattr(_pinned_capture.PinnedCapture, "wait", slow_wait)
   devs = jax.devices()
   for policy in (BusyPolicy.SKIP, BusyPolicy.WAIT):
     snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, run_id=policy.value,

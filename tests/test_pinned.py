@@ -17,7 +17,8 @@ import pytest
 
 from snapstore import (BudgetExceededError, SnapshotManager, SnapshotOptions, Source,
                        StoreKind, TreeMismatchError)
-from snapstore._checksum import _sums, as_checksum, device_checksum, shard_checksums
+from snapstore._checksum import (ChecksumKind, _sums, as_checksum, device_checksum,
+                                shard_checksums)
 from tests.helpers import assert_bitwise_equal, host_copy
 from tests.test_pathways import abstract, make_state
 
@@ -35,9 +36,9 @@ def manager(s2d, **kw):
 
 def stored(mgr, domain, step):
   """(piece record, stored array) of one domain's snapshot of ``step``."""
-  store = mgr.stores[domain]
+  store = mgr.backend.stores[domain]
   (m,) = [m for m in store.manifests() if m.step == step]
-  return [(p, store.array(step, p.offset)) for p in m.pieces]
+  return [(p, store.array(m.slot, p.offset)) for p in m.pieces]
 
 
 def flip_bit(arr, byte=5, bit=4):
@@ -82,10 +83,10 @@ def test_per_shard_checksums_match_each_shard(s2d):
 # ----------------------------------------------------------------- placement
 def test_auto_picks_pinned_host_for_slices_and_host_files_otherwise(s2d, store_dir):
   with manager(s2d, store_dir=store_dir) as mgr:
-    assert mgr.store_kind is StoreKind.PINNED_HOST
-    assert mgr._integrity == "host"  # CPU: the controller reads pinned buffers in place
+    assert mgr.backend.kind is StoreKind.PINNED_HOST
+    assert mgr.backend.checksum is ChecksumKind.CRC32C  # CPU: the controller reads pinned buffers in place
   with SnapshotManager(SnapshotOptions(store_dir=store_dir)) as mgr:
-    assert mgr.store_kind is StoreKind.HOST_FILES
+    assert mgr.backend.kind is StoreKind.HOST_FILES
   with pytest.raises(ValueError, match="single controller"):
     SnapshotManager(SnapshotOptions(store=StoreKind.PINNED_HOST))
 
@@ -95,7 +96,7 @@ def test_each_slice_holds_its_pieces_in_its_own_pinned_memory(s2d):
   with manager(s2d) as mgr:
     mgr.save(1, state)
     mgr.wait_until_finished()
-    names = {i: s.path for i, s in enumerate(mgr.stores[0].manifests()[0].leaves)}
+    names = {i: s.path for i, s in enumerate(mgr.backend.stores[0].manifests()[0].leaves)}
     for d, devs in s2d.items():
       by_leaf: dict[str, list] = {}
       for rec, arr in stored(mgr, d, 1):
@@ -133,12 +134,12 @@ def test_budget_too_small_raises_before_taking_memory_and_caps_snapshots(s2d):
   with manager(s2d) as probe:
     probe.save(1, state)
     probe.wait_until_finished()
-    size = max(m.data_bytes for st in probe.stores.values() for m in st.manifests())
+    size = max(m.data_bytes for st in probe.backend.stores.values() for m in st.manifests())
   with manager(s2d, keep=5, budget_bytes=2 * size) as mgr:
     for step in range(1, 6):
       mgr.save(step, make_state(jax.devices(), step))
     mgr.wait_until_finished()
-    assert all(len(st.manifests()) <= 2 for st in mgr.stores.values())
+    assert all(len(st.manifests()) <= 2 for st in mgr.backend.stores.values())
     assert mgr.snapshot_steps()[-1] == 5
 
 
@@ -152,7 +153,8 @@ def test_restore_is_bitwise_and_survives_donation_and_eviction(s2d, checksum):
     step = jax.jit(lambda x: x * 0 - 1, donate_argnums=0)  # overwrites its input
     tp, dp = step(state.pop("tp")), step(state.pop("dp"))
     jax.block_until_ready((tp, dp))
-    assert {len(p.crcs) for p, _ in stored(mgr, 0, 2)} == {1 if checksum == "host" else 2}
+    assert {p.kind for p, _ in stored(mgr, 0, 2)} == {
+        ChecksumKind.CRC32C if checksum == "host" else ChecksumKind.DEVICE_SUM}
     r = mgr.restore(abstract(jax.devices()))
     assert (r.step, r.source) == (2, Source.SNAPSHOT)
     assert_bitwise_equal(expected, r.state)
@@ -186,7 +188,7 @@ def test_a_flipped_bit_in_pinned_memory_is_caught_and_another_copy_used(s2d, che
     for step in (1, 2):
       mgr.save(step, make_state(jax.devices(), step))
     mgr.wait_until_finished()
-    names = {i: s.path for i, s in enumerate(mgr.stores[0].manifests()[0].leaves)}
+    names = {i: s.path for i, s in enumerate(mgr.backend.stores[0].manifests()[0].leaves)}
     # One copy of a 'tp' piece that slice 1 also holds: the other copy is used.
     rec, arr = next((r, a) for r, a in stored(mgr, 0, 2) if names[r.leaf] == "tp")
     flip_bit(arr)

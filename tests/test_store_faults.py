@@ -8,7 +8,7 @@ import pytest
 
 import snapstore
 from snapstore._manifest import decode, encode
-from snapstore.example import ModelConfig, Trainer
+from snapstore.demo.example import ModelConfig, Trainer
 from tests.helpers import assert_bitwise_equal, host_copy
 
 
@@ -33,6 +33,12 @@ def train_and_save(trainer, mgr, steps):
   return refs
 
 
+def store_of(mgr):
+  """The one host store of a single-process manager."""
+  (store,) = mgr.backend.stores.values()
+  return store
+
+
 def flip_byte(store, step, nth_piece=3):
   m = decode(store.manifest_path(step).read_bytes())
   piece = m.pieces[nth_piece]
@@ -48,7 +54,7 @@ def flip_byte(store, step, nth_piece=3):
 def test_flipped_byte_falls_back_to_older_snapshot(trainer, store_dir, caplog):
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
     refs = train_and_save(trainer, mgr, range(1, 4))
-    leaf = flip_byte(mgr.store, 3)
+    leaf = flip_byte(store_of(mgr), 3)
     with caplog.at_level(logging.WARNING, logger="snapstore"):
       result = mgr.restore(trainer.abstract_state())
   assert result.step == 2 and result.source is snapstore.Source.SNAPSHOT
@@ -63,7 +69,7 @@ def test_corrupt_snapshots_fall_back_to_orbax(trainer, store_dir, tmp_path):
   with snapstore.SnapshotManager(o, persistent=tmp_path / "ckpt") as mgr:
     refs = train_and_save(trainer, mgr, range(1, 6))
     for s in mgr.snapshot_steps():
-      flip_byte(mgr.store, s)
+      flip_byte(store_of(mgr), s)
     result = mgr.restore(trainer.abstract_state())
   assert result.source is snapstore.Source.PERSISTENT
   assert result.step == 4 and result.rewind_steps == 1
@@ -74,11 +80,11 @@ def test_corrupt_snapshots_fall_back_to_orbax(trainer, store_dir, tmp_path):
 def test_truncated_and_foreign_manifests_are_ignored(trainer, store_dir, caplog):
   with snapstore.SnapshotManager(opts(store_dir, keep=3)) as mgr:
     refs = train_and_save(trainer, mgr, range(1, 4))
-    path3 = mgr.store.manifest_path(3)
+    path3 = store_of(mgr).manifest_path(3)
     path3.write_bytes(path3.read_bytes()[:100])  # truncated
-    m2 = decode(mgr.store.manifest_path(2).read_bytes())
+    m2 = decode(store_of(mgr).manifest_path(2).read_bytes())
     foreign = dataclasses_replace(m2, run_id="another-run")
-    mgr.store.manifest_path(2).write_bytes(encode(foreign))
+    store_of(mgr).manifest_path(2).write_bytes(encode(foreign))
     with caplog.at_level(logging.WARNING, logger="snapstore"):
       result = mgr.restore(trainer.abstract_state())
   assert result.step == 1
@@ -120,7 +126,7 @@ def test_newer_incarnation_fences_stale_steps(trainer, store_dir):
 def test_files_are_private(trainer, store_dir):
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     train_and_save(trainer, mgr, [1])
-    root = mgr.store.root
+    root = store_of(mgr).root
   assert root.stat().st_mode & 0o777 == 0o700
   for p in root.iterdir():
     assert p.stat().st_mode & 0o777 == 0o600, p
@@ -131,7 +137,7 @@ def test_budget_for_two_snapshots_keeps_at_most_two(trainer, store_dir):
   with snapstore.SnapshotManager(opts(store_dir, keep=5)) as probe:
     probe.save(0, state)
     probe.wait_until_finished()
-    size = probe.store._slot_bytes
+    size = store_of(probe)._slot_bytes
   shutil.rmtree(store_dir)
   o = opts(store_dir, keep=5, budget_bytes=2 * size + 100)
   with snapstore.SnapshotManager(o) as mgr:
@@ -139,8 +145,8 @@ def test_budget_for_two_snapshots_keeps_at_most_two(trainer, store_dir):
       state, _ = trainer.step(state, s)
       mgr.save(s, state)
       mgr.wait_until_finished()
-      files = list(mgr.store.root.glob("*.manifest"))
-      slots = list(mgr.store.root.glob("slot-*.bin"))
+      files = list(store_of(mgr).root.glob("*.manifest"))
+      slots = list(store_of(mgr).root.glob("slot-*.bin"))
       assert len(files) <= 2 and len(slots) <= 2
       assert sum(p.stat().st_size for p in slots) <= o.budget_bytes
     assert mgr.snapshot_steps()[-1] == 7
@@ -187,7 +193,7 @@ def _persistent_fallback(trainer, store_dir, path):
   o = opts(store_dir, keep=2, persistent_interval=5)
   with snapstore.SnapshotManager(o, persistent=path) as mgr:
     refs = train_and_save(trainer, mgr, range(1, 8))
-    for p in mgr.store.root.glob("*.manifest"):
+    for p in store_of(mgr).root.glob("*.manifest"):
       p.unlink()
     result = mgr.restore(trainer.abstract_state())
   assert result.source is snapstore.Source.PERSISTENT

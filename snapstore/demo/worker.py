@@ -1,6 +1,6 @@
 """One host of a multi-process training job (run by ``snapstore.launch``).
 
-``python -m snapstore._worker --steps N --out DIR --store DIR --run-id R
+``python -m snapstore.demo.worker --steps N --out DIR --store DIR --run-id R
 [--persistent PATH --checkpoint-every K] [--hosts-per-domain H] [--replicas R]``
 
 Restores from the freshest snapshot (or Orbax) if there is one, trains to
@@ -49,7 +49,7 @@ def main() -> int:
 
   import snapstore  # noqa: PLC0415
   from snapstore._manifest import write_atomic  # noqa: PLC0415
-  from snapstore.example import ModelConfig, Trainer  # noqa: PLC0415
+  from snapstore.demo.example import ModelConfig, Trainer  # noqa: PLC0415
 
   trainer = Trainer(ModelConfig())
 

@@ -26,11 +26,11 @@ import crc32c
 import jax
 import numpy as np
 
-from . import _faults
-from ._hoststore import align
-from ._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, normalize_index
-from ._placement import (owners, replica_shardings, ring_keepers, ring_permutable,
-                         ring_permute)
+from ... import _faults
+from ..._index import align, nbytes as index_nbytes, normalize
+from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches
+from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
+                           ring_permutable, ring_permute)
 
 Source = Callable[[], np.ndarray]
 
@@ -77,7 +77,7 @@ class Transfer:
     pieces = []
     for shard in out.addressable_shards:
       src = inverse[shard.device]
-      index = normalize_index(idx_map[src], tuple(self.arr.shape))
+      index = normalize(idx_map[src], tuple(self.arr.shape))
       shape = tuple(b - a for a, b in index)
       data = shard.data if shard.data.shape == shape else shard.data.reshape(shape)
       pieces.append((Piece(self.leaf, index, data.nbytes), data))
@@ -195,7 +195,8 @@ def layout_offsets(pieces: Sequence[Piece]) -> list[int]:
 
 def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
           pool: futures.Executor, chunk_bytes: int) -> list[tuple[int, ...]]:
-  """Copies every piece into ``dst`` at ``offsets``; returns chunk crcs."""
+  """Copies every piece into ``dst`` at ``offsets``; returns each piece's
+  crc32c per chunk (``ChecksumKind.CRC32C``), computed while it is hot."""
 
   def copy_chunk(src: np.ndarray, at: int, a: int, b: int) -> int:
     out = dst[at + a: at + b]
@@ -215,17 +216,6 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   return crcs
 
 
-def verify(buf: np.ndarray, crcs: Sequence[int], *, pool: futures.Executor,
-           chunk_bytes: int) -> bool:
-  """True if every chunk of ``buf`` matches its recorded crc32c."""
-  n = buf.nbytes
-  starts = list(range(0, max(n, 1), chunk_bytes))
-  if len(starts) != len(crcs):
-    return False
-  got = pool.map(lambda a: crc32c.crc32c(buf[a:min(a + chunk_bytes, n)]), starts)
-  return all(g == c for g, c in zip(got, crcs))
-
-
 def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
                       domain_of: dict[jax.Device, int], replicas: int,
                       step: int = -1) -> dict[int, Capture]:
@@ -237,7 +227,7 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   leaves a copy. Numpy leaves and scalars go to every domain.
   """
   order = sorted(set(domain_of.values()))
-  caps = {d: Capture(list(specs), [], [], [], {}) for d in order}
+  caps = {d: Capture(list(specs), [], [], [], {}) for d in order}  # only active domains
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
     if i == len(specs) // 2:
       _faults.point("capture", step)
@@ -250,13 +240,8 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
         _add_numpy(cap, i, leaf, d)
       continue
     arr, on_cpu = _staged(spec, leaf)
-    shape = tuple(arr.shape)
-    holders: dict[Any, dict[int, jax.Array]] = {}  # index -> domain -> data
-    for shard in arr.addressable_shards:
-      index = normalize_index(shard.index, shape)
-      holders.setdefault(index, {}).setdefault(domain_of[shard.device], shard.data)
-    for index, by_domain in holders.items():
-      nbytes = int(np.prod([b - a for a, b in index], dtype=np.int64)) * arr.dtype.itemsize
+    for index, by_domain in holders_by_domain(spec.path, arr, domain_of).items():
+      nbytes = index_nbytes(index, arr.dtype.itemsize)
       owner = min(by_domain)
       for d in ring_keepers(by_domain, order, replicas):
         data = by_domain.get(d, by_domain[owner])

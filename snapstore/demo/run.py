@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ._hoststore import host_dir, read_progress
-from .launch import Incarnation, Kill, launch
+from .._backends.hostfiles.store import host_dir, read_progress
+from ..launch import Incarnation, Kill, launch
 
 HOSTS, DEVICES_PER_HOST, KILLED_HOST = 4, 2, 1
 Progress = Callable[[str, int], None]
@@ -50,7 +50,7 @@ def _run(name: str, *, work: Path, persistent: str, snapshots: bool, kill_step: 
   watcher = threading.Thread(target=poll, daemon=True)
   watcher.start()
   try:
-    incs = launch("snapstore._worker",
+    incs = launch("snapstore.demo.worker",
                   ["--steps", str(total_steps), "--out", str(out), "--store", str(store),
                    "--run-id", "demo", "--persistent", persistent,
                    "--checkpoint-every", str(checkpoint_every), "--hosts-per-domain", "2",

@@ -20,22 +20,20 @@ import mmap
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
 import numpy as np
 
-from . import _faults, errors
-from ._manifest import Manifest, decode, encode, write_atomic
+from ... import _faults, _planner, errors
+from ..._index import align
+from ..._manifest import Manifest, decode, encode, write_atomic
+from ..base import NO_PROGRESS
 
 logger = logging.getLogger(__name__)
 
 _MANIFEST_RE = re.compile(r"^step-(\d{10})\.manifest$")
-ALIGN = 4096
-
-
-def align(n: int) -> int:
-  return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def host_dir(store_dir: os.PathLike[str] | str, run_id: str, host: int) -> Path:
@@ -79,16 +77,8 @@ class HostStore:
     size = align(max(snapshot_bytes, 1))
     if size == self._slot_bytes and self._num_slots:
       return self._num_slots
-    want = self.keep + 1
-    if self.budget_bytes is not None:
-      fit = self.budget_bytes // size
-      if fit < 2:
-        raise errors.BudgetExceededError(
-            f"a snapshot of this state takes {size} bytes on host {self.host}; "
-            f"the budget of {self.budget_bytes} bytes must hold two (the newest "
-            f"complete one and the one being written): raise budget_bytes to at "
-            f"least {2 * size} or shrink the state.")
-      want = min(want, fit)
+    want = _planner.slot_count(size, keep=self.keep, budget_bytes=self.budget_bytes,
+                               where=f"the host store of host {self.host}")
     existing = sum(p.stat().st_size for p in self.root.glob("slot-*.bin"))
     free = shutil.disk_usage(self.root).free + existing
     if want * size > free:
@@ -153,15 +143,14 @@ class HostStore:
     out.flags.writeable = False
     return out
 
-  def free_slot(self, manifests: list[Manifest]) -> int:
-    """A slot that no retained manifest uses; evicts the oldest if needed."""
-    used = {m.slot for m in manifests}
-    for i in range(self._num_slots):
-      if i not in used:
-        return i
-    oldest = min(manifests, key=lambda m: m.step)
-    self.delete(oldest.step, "evicted to free a slot")
-    return oldest.slot
+  def take_slot(self, step: int) -> int:
+    """A slot for the snapshot of ``step``: a free one, else the oldest
+    snapshot's (evicted); any stale manifest naming it is deleted first."""
+    slot, evict = _planner.free_slot(self.manifests(), self._num_slots)
+    if evict is not None:
+      self.delete(evict.step, f"evicted to free a slot for step {step}")
+    self._drop_manifests(lambda m: m.slot == slot, f"slot {slot} reused for step {step}")
+    return slot
 
   def _close_maps(self) -> None:
     self._maps.clear()  # mmaps close when the last numpy view is gone.
@@ -191,7 +180,7 @@ class HostStore:
     logger.debug("host %d: deleting snapshot of step %d (%s)", self.host, step, reason)
     self.manifest_path(step).unlink(missing_ok=True)
 
-  def _drop_manifests(self, pred, reason: str) -> None:
+  def _drop_manifests(self, pred: Callable[[Manifest], bool], reason: str) -> None:
     for m in self.manifests():
       if pred(m):
         self.delete(m.step, reason)
@@ -237,15 +226,15 @@ class HostStore:
                  msgpack.packb({"step": step, "incarnation": incarnation}))
 
   def read_progress(self) -> tuple[int, int]:
-    """(newest step asked to save, its incarnation); (-1, -1) if none."""
+    """(newest step asked to save, its incarnation); NO_PROGRESS if none."""
     return read_progress(self.root)
 
 
 def read_progress(root: os.PathLike[str] | str) -> tuple[int, int]:
   """A host store's PROGRESS: (newest step asked to save, its incarnation),
-  (-1, -1) if absent or unreadable. Reads only; safe from another process."""
+  NO_PROGRESS if absent or unreadable. Reads only; safe from another process."""
   try:
     doc = msgpack.unpackb((Path(root) / "PROGRESS").read_bytes()[:4096], raw=False)
     return int(doc["step"]), int(doc["incarnation"])
   except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException):
-    return -1, -1
+    return NO_PROGRESS

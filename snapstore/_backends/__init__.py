@@ -1,0 +1,51 @@
+"""Snapshot stores behind one interface (:class:`.base.Backend`).
+
+``hostfiles``: files on a RAM disk, one store per process (or per failure
+domain on a single controller). ``pinned``: ``pinned_host`` arrays per failure
+domain, held by a single controller. :func:`choose` is the only place that
+looks at :class:`StoreKind`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent import futures
+
+import jax
+
+from ..options import SnapshotOptions, StoreKind
+from .base import Backend, Header, NO_PROGRESS
+from .hostfiles.backend import HostFilesBackend
+from .pinned.backend import PinnedHostBackend
+from .pinned.store import supports_pinned_host
+
+__all__ = ["Backend", "Header", "HostFilesBackend", "NO_PROGRESS", "PinnedHostBackend",
+           "choose", "resolve_kind"]
+
+
+def resolve_kind(kind: StoreKind, slices: Mapping[int, Sequence[jax.Device]] | None
+                 ) -> StoreKind:
+  """Resolves ``StoreKind.AUTO``; rejects a pinned-host store without slices."""
+  if kind is StoreKind.PINNED_HOST and slices is None:
+    raise ValueError(
+        "the pinned_host store is for a single controller: pass slices= (failure "
+        "domain -> devices). With jax.distributed, host files outlive the process "
+        "that wrote them; pinned host memory does not.")
+  if kind is StoreKind.AUTO:
+    devices = [d for devs in (slices or {}).values() for d in devs]
+    pinned = slices is not None and supports_pinned_host(devices)
+    return StoreKind.PINNED_HOST if pinned else StoreKind.HOST_FILES
+  return kind
+
+
+def choose(options: SnapshotOptions, *, host: int, num_hosts: int,
+           slices: Mapping[int, Sequence[jax.Device]] | None,
+           pool: futures.Executor) -> Backend:
+  """The backend for ``options.store`` (AUTO resolved), built once."""
+  if slices is not None and num_hosts > 1:
+    raise ValueError("slices= is for a single controller (one process); with "
+                     "jax.distributed each process keeps its own host store")
+  kind = resolve_kind(options.store, slices)
+  if kind is StoreKind.PINNED_HOST and slices is not None:
+    return PinnedHostBackend(options, slices=slices, pool=pool)
+  return HostFilesBackend(options, host=host, num_hosts=num_hosts, slices=slices, pool=pool)

@@ -1,0 +1,174 @@
+"""The store interface: what :class:`SnapshotManager` asks of a backend.
+
+A backend holds one or more *stores* (a process's host store; or, on a single
+controller, one store per failure domain), each with its manifests. The
+manager chooses a backend once, at construction, and from then on talks to
+it only through :class:`Backend`:
+
+* ``capture`` on the training thread: take the state out of reach of the next
+  step, reserve room (may evict, may raise ``BudgetExceededError``);
+* ``drain`` on the background thread: copy, checksum, commit the manifests,
+  then apply retention (:func:`._planner.retention`, a pure function of the
+  manifests);
+* ``manifests``: the inventory restore plans from;
+* ``fetch`` / ``place_leaf`` (:class:`._assemble.PieceSource`): one verified
+  piece copy for the single assembler;
+* ``forget_domains`` / ``set_active_domains``: failure domains lost, or up.
+
+A new backend passes ``tests/test_backends.py`` (the conformance suite) by
+adding itself to its parameter list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .. import _planner
+from .._assemble import PieceSource
+from .._layout import LeafSpec
+from .._manifest import Manifest
+from ..options import StoreKind
+
+# read_progress() of a store that was never asked to save.
+NO_PROGRESS = (-1, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+  """The manifest fields a snapshot's stores share (the manager fills them)."""
+
+  run_id: str
+  incarnation: int
+  step: int
+  num_hosts: int
+  tree_digest: str
+  chunk_bytes: int
+  leaves: tuple[LeafSpec, ...]
+  extra: Any
+
+  def fields(self) -> dict[str, Any]:
+    """The fields as keyword arguments of ``Manifest`` (shallow)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+class Pending(Protocol):
+  """A captured snapshot waiting for its drain (opaque to the manager)."""
+
+  header: Header
+
+
+class Store(Protocol):
+  """One store's manifests, as retention needs them."""
+
+  num_slots: int
+
+  def manifests(self) -> list[Manifest]: ...
+
+  def delete(self, step: int, reason: str) -> None: ...
+
+
+class Backend(PieceSource, Protocol):
+  """Where snapshots live. Not thread-safe: the manager calls ``capture``,
+  ``manifests``, ``fetch`` and the domain calls from the training thread
+  and ``drain`` from its one drain thread, never both at once."""
+
+  kind: StoreKind
+
+  def store_ids(self) -> list[int]:
+    """The stores this process holds (process index, or failure domains)."""
+
+  def describe(self) -> str:
+    """Where the snapshots are, for messages (``/dev/shm/snapstore/run``)."""
+
+  def read_progress(self) -> tuple[int, int]:
+    """(newest step asked to save, its incarnation) over the stores held,
+    :data:`NO_PROGRESS` if none."""
+
+  def write_progress(self, step: int, incarnation: int) -> None: ...
+
+  def capture(self, header: Header, specs: Sequence[LeafSpec],
+              leaves: Sequence[Any]) -> Pending:
+    """Takes the state out of reach of the next step and reserves room for
+    it. Training thread; collective on a multi-controller job."""
+
+  def drain(self, pending: Pending) -> int:
+    """Copies, checksums and commits ``pending``, then applies retention.
+    Returns the bytes stored. Drain thread."""
+
+  def manifests(self) -> list[Manifest]:
+    """Every manifest of this run in the stores held, oldest first."""
+
+  def forget_domains(self, domains: Sequence[int], reason: str) -> None:
+    """The host memory of ``domains`` is gone: drop what their stores held
+    and stop writing to them."""
+
+  def set_active_domains(self, domains: Sequence[int]) -> None:
+    """Snapshots go to these domains only, until the next call."""
+
+  def close(self) -> None: ...
+
+
+def retain(store: Store, keep: int) -> None:
+  """Applies :func:`._planner.retention` to one store (at most ``num_slots
+  - 1`` kept, so one slot stays free for the next snapshot)."""
+  keep = min(keep, max(store.num_slots - 1, 1))
+  for m, why in _planner.retention(store.manifests(), keep):
+    store.delete(m.step, why)
+
+
+def progress_of(stores: Sequence[Any]) -> tuple[int, int]:
+  """The newest progress over ``stores`` (each with ``read_progress``)."""
+  got = [s.read_progress() for s in stores]
+  return (max((p[0] for p in got), default=NO_PROGRESS[0]),
+          max((p[1] for p in got), default=NO_PROGRESS[1]))
+
+
+class DomainStores:
+  """The part of a backend that is the same for every kind: a dict of
+  stores by id (process index or failure domain), the domains that are down,
+  progress, inventory. Backends derive from it and add capture, drain and
+  fetch."""
+
+  def __init__(self, stores: dict[int, Any], *, run_id: str):
+    self.stores = stores
+    self.run_id = run_id
+    self._down: set[int] = set()
+
+  def store_ids(self) -> list[int]:
+    return sorted(self.stores)
+
+  def read_progress(self) -> tuple[int, int]:
+    return progress_of(list(self.stores.values()))
+
+  def write_progress(self, step: int, incarnation: int) -> None:
+    for sid, store in self.stores.items():
+      if sid not in self._down:
+        store.write_progress(step, incarnation)
+
+  def manifests(self) -> list[Manifest]:
+    """Every manifest of this run in the stores held (another run's are
+    never restored)."""
+    return [m for st in self.stores.values() for m in st.manifests()
+            if m.run_id == self.run_id]
+
+  def holds(self, store: int) -> bool:
+    return store in self.stores
+
+  def live(self) -> list[int]:
+    """The stores that snapshots go to now."""
+    return [k for k in sorted(self.stores) if k not in self._down]
+
+  def forget_domains(self, domains: Sequence[int], reason: str) -> None:
+    for d in domains:
+      if d in self.stores:
+        self.stores[d].wipe()
+      self._down.add(d)
+
+  def set_active_domains(self, domains: Sequence[int]) -> None:
+    self._down = set(self.stores) - set(domains)
+
+  def close(self) -> None:
+    for store in self.stores.values():
+      store.close()

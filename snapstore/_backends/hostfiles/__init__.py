@@ -1,0 +1,1 @@
+"""Host files on a RAM disk: the multi-controller store."""

@@ -1,0 +1,120 @@
+"""The host-files backend: each store is a directory of slot files and
+manifests on a RAM disk (:mod:`.store`), which outlives the trainer process.
+
+Multi-controller (``jax.distributed``): one store, this process's; replica
+pieces for hosts of other failure domains arrive by a JAX ring permute
+(:mod:`.capture`). Single controller with ``slices=``: one store per failure
+domain, all written by this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from concurrent import futures
+from typing import Any
+
+import jax
+
+from ..._assemble import Assembler, BadCopy
+from ..._checksum import ChecksumKind, crc_matches
+from ..._index import Index, shape_of
+from ..._layout import LeafSpec
+from ..._manifest import Manifest, PieceRecord
+from ..._placement import host_domains
+from ..._planner import Copy, StepPlan
+from ...options import SnapshotOptions, StoreKind
+from ..base import DomainStores, Header, retain
+from . import capture as _capture
+from .store import HostStore, host_dir
+
+
+@dataclasses.dataclass
+class _Pending:
+  header: Header
+  jobs: list[tuple[HostStore, _capture.Capture, int]]  # (store, capture, slot)
+
+
+class HostFilesBackend(DomainStores):
+  """Snapshots in files on a RAM disk, one store per process (or per failure
+  domain on a single controller)."""
+
+  kind = StoreKind.HOST_FILES
+
+  def __init__(self, options: SnapshotOptions, *, host: int, num_hosts: int,
+               slices: Mapping[int, Sequence[jax.Device]] | None,
+               pool: futures.Executor):
+    self.options = options
+    self._pool = pool
+    self._host = host
+    self._domain_of = ({d: k for k, devs in slices.items() for d in devs}
+                       if slices is not None else None)
+    ids = sorted(slices) if slices is not None else [host]
+    super().__init__({i: HostStore(host_dir(options.store_dir, options.run_id, i),
+                                   run_id=options.run_id, host=i, keep=options.keep,
+                                   budget_bytes=options.budget_bytes) for i in ids},
+                     run_id=options.run_id)
+    self._domains = (host_domains(jax.devices(), options.hosts_per_domain)
+                     if num_hosts > 1 else None)
+
+
+  def describe(self) -> str:
+    return f"the host stores in {self.stores[min(self.stores)].root.parent}"
+
+
+  # ------------------------------------------------------------------ save
+  def capture(self, header: Header, specs: Sequence[LeafSpec],
+              leaves: Sequence[Any]) -> _Pending:
+    if self._domain_of is not None:
+      up = set(self.live())
+      live = {d: k for d, k in self._domain_of.items() if k in up}
+      caps = _capture.capture_by_domain(specs, leaves, domain_of=live,
+                                        replicas=self.options.replicas, step=header.step)
+    else:
+      caps = {self._host: _capture.capture(specs, leaves, host=self._host,
+                                           domains=self._domains,
+                                           replicas=self.options.replicas,
+                                           step=header.step)}
+    jobs = []
+    for sid, cap in caps.items():
+      store = self.stores[sid]
+      store.plan_slots(cap.nbytes)
+      jobs.append((store, cap, store.take_slot(header.step)))
+    return _Pending(header, jobs)
+
+  def drain(self, pending: _Pending) -> int:
+    nbytes = 0
+    for store, cap, slot in pending.jobs:
+      offsets = _capture.layout_offsets(cap.pieces)
+      nbytes += cap.nbytes
+      crcs = _capture.drain(cap, store.slot_buffer(slot), offsets, pool=self._pool,
+                            chunk_bytes=self.options.chunk_bytes)
+      pieces = tuple(PieceRecord(p.leaf, p.index, off, p.nbytes, c, owner,
+                                 ChecksumKind.CRC32C)
+                     for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners))
+      store.commit(Manifest(pieces=pieces, created=time.time(), host=store.host,
+                            slot=slot, scalars=dict(cap.scalars),
+                            **pending.header.fields()))
+      retain(store, self.options.keep)
+    return nbytes
+
+  # --------------------------------------------------------------- restore
+  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None) -> Any:
+    spec = plan.specs[copy.record.leaf]
+    rec = copy.record
+    try:
+      buf = self.stores[copy.store].read_buffer(copy.slot, copy.slot_bytes)
+    except (OSError, ValueError) as e:  # CorruptSnapshotError is a ValueError
+      raise BadCopy(copy.key(plan.step), spec.path, why=f"unreadable ({e})") from e
+    raw = buf[rec.offset: rec.offset + rec.nbytes]
+    if rec.kind is not ChecksumKind.CRC32C or not crc_matches(
+        raw, rec.checksum, chunk_bytes=plan.chunk_bytes, pool=self._pool):
+      raise BadCopy(copy.key(plan.step), spec.path)
+    return raw.view(spec.np_dtype).reshape(shape_of(rec.index))
+
+  def place_leaf(self, assembler: Assembler, leaf: int, sharding: jax.sharding.Sharding,
+                 wanted: Sequence[tuple[jax.Device, Index]]) -> None:
+    return None  # host bytes go to devices shard by shard
+
+

@@ -1,0 +1,1 @@
+"""pinned_host arrays per failure domain: the single-controller store."""

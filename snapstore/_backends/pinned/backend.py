@@ -1,0 +1,194 @@
+"""The pinned-host backend (single controller, Pathways): one store per
+failure domain (slice), holding ``pinned_host`` arrays on that domain's own
+hosts (:mod:`.capture`), so losing a slice loses exactly its arrays.
+
+Restore moves each piece used from ``pinned_host`` memory to its target
+device and checks it there: crc32c of the pinned buffer in place where the
+controller can address it (CPU), else the on-device sum recomputed on the
+receiving device. Where every target device holds a copy of its own shard
+(pause-resume on the same mesh), :meth:`place_leaf` puts the whole leaf back
+with one ``device_put``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent import futures
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from ..._assemble import Assembler, BadCopy
+from ..._checksum import (ChecksumKind, as_checksum, crc_chunks, crc_matches,
+                          device_checksum, shard_checksums)
+from ..._index import Index
+from ..._layout import LeafKind, LeafSpec
+from ..._manifest import Manifest, PieceRecord
+from ..._planner import Copy, StepPlan
+from ...options import SnapshotOptions, StoreKind
+from ..base import DomainStores, Header, retain
+from . import capture as _capture
+from .capture import device_of
+from .store import PINNED, PinnedHostStore, Stored
+
+logger = logging.getLogger(__name__)
+
+
+def checksum_for(devices: Sequence[jax.Device], choice: str) -> ChecksumKind:
+  """``pinned_checksum`` -> kind: crc32c where the controller addresses
+  pinned memory in place (CPU), an on-device sum elsewhere."""
+  if choice == "auto":
+    choice = "host" if all(d.platform == "cpu" for d in devices) else "device"
+  return ChecksumKind.CRC32C if choice == "host" else ChecksumKind.DEVICE_SUM
+
+
+@dataclasses.dataclass
+class _Pending:
+  header: Header
+  capture: _capture.PinnedCapture
+  slots: dict[int, int]  # domain -> slot
+
+
+class PinnedHostBackend(DomainStores):
+  """``pinned_host`` arrays per failure domain, held by the controller."""
+
+  kind = StoreKind.PINNED_HOST
+
+  def __init__(self, options: SnapshotOptions, *,
+               slices: Mapping[int, Sequence[jax.Device]], pool: futures.Executor):
+    self.options = options
+    self._pool = pool
+    self._slices = {k: list(v) for k, v in slices.items()}
+    self.checksum = checksum_for([d for v in slices.values() for d in v],
+                                 options.pinned_checksum)
+    super().__init__({i: PinnedHostStore(i, keep=options.keep,
+                                         budget_bytes=options.budget_bytes)
+                      for i in sorted(slices)}, run_id=options.run_id)
+
+
+  def describe(self) -> str:
+    return f"the pinned_host stores of slices {sorted(self.stores)}"
+
+
+  # ------------------------------------------------------------------ save
+  def capture(self, header: Header, specs: Sequence[LeafSpec],
+              leaves: Sequence[Any]) -> _Pending:
+    slots: dict[int, int] = {}
+
+    def make_room(nbytes: Mapping[int, int]) -> None:  # before any copy is made
+      for sid, n in nbytes.items():
+        self.stores[sid].plan_slots(n)
+        slots[sid] = self.stores[sid].take_slot(header.step)
+
+    live = {k: self._slices[k] for k in self.live()}
+    cap = _capture.capture(specs, leaves, slices=live, replicas=self.options.replicas,
+                           step=header.step, checksum=self.checksum,
+                           chunk_bytes=self.options.chunk_bytes, before_dispatch=make_room)
+    return _Pending(header, cap, slots)
+
+  def drain(self, pending: _Pending) -> int:
+    cap = pending.capture
+    cap.wait()
+    nbytes = 0
+    for sid, slot in pending.slots.items():
+      store = self.stores[sid]
+      sums = cap.checksums(sid, self._pool)
+      pieces = tuple(PieceRecord(p.leaf, p.index, pos, p.nbytes, ck, owner,
+                                 cap.kinds[(p.leaf, p.index)])
+                     for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums)))
+      nbytes += cap.nbytes(sid)
+      store.fill(slot, cap.arrays[sid])
+      store.commit(Manifest(pieces=pieces, created=time.time(), host=sid, slot=slot,
+                            scalars=dict(cap.scalars), **pending.header.fields()))
+      retain(store, self.options.keep)
+    return nbytes
+
+  # --------------------------------------------------------------- restore
+  def _stored(self, copy: Copy) -> Stored:
+    return self.stores[copy.store].array(copy.slot, copy.record.offset)
+
+  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None) -> Stored:
+    spec = plan.specs[copy.record.leaf]
+    rec = copy.record
+    holder = f"slice {copy.store}"
+    try:
+      stored = self._stored(copy)
+      if isinstance(stored, np.ndarray):
+        ok, got = crc_matches(stored, rec.checksum, chunk_bytes=plan.chunk_bytes), stored
+      elif rec.kind is ChecksumKind.CRC32C:  # crc32c of the pinned buffer, in place
+        ok = crc_matches(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes)
+        got = jax.device_put(stored, SingleDeviceSharding(device or device_of(stored)))
+      else:
+        got = jax.device_put(stored, SingleDeviceSharding(device or device_of(stored)))
+        ok = as_checksum(device_checksum(got)) == tuple(rec.checksum)
+    except (RuntimeError, KeyError) as e:  # JaxRuntimeError (slice lost), freed buffers
+      raise BadCopy(copy.key(plan.step), spec.path,
+                    why=f"unreadable ({str(e).splitlines()[0] if str(e) else e!r})",
+                    holder=holder) from e
+    if not ok:
+      raise BadCopy(copy.key(plan.step), spec.path, holder=holder)
+    return got
+
+  def place_leaf(self, assembler: Assembler, leaf: int, sharding: jax.sharding.Sharding,
+                 wanted: Sequence[tuple[jax.Device, Index]]) -> jax.Array | None:
+    """The whole leaf from the target devices' own copies: one pinned array
+    and one ``device_put`` back to device memory, all devices in parallel.
+    Each copy is verified (in place, or on device after the put). None if
+    the layout does not allow it or a copy is bad (the general path takes
+    over and finds which)."""
+    plan = assembler.plan
+    spec = plan.specs[leaf]
+    if spec.kind is LeafKind.NUMPY:
+      return None
+    picks: list[tuple[Copy, jax.Array]] = []
+    for device, index in wanted:
+      found = None
+      for copy in plan.copies.get((leaf, index), ()):
+        if copy.key(plan.step) in assembler.bad or not self.holds(copy.store):
+          continue
+        stored = self._stored(copy)
+        if isinstance(stored, jax.Array) and _alive_on(stored, device):
+          found = (copy, stored)
+          break
+      if found is None:
+        return None
+      picks.append(found)
+    try:
+      # crc32c in place on the pool while this thread puts the leaf back.
+      in_place = [(c, self._pool.submit(crc_chunks, np.asarray(st),
+                                        chunk_bytes=plan.chunk_bytes))
+                  for c, st in picks if c.record.kind is ChecksumKind.CRC32C]
+      pinned = jax.make_array_from_single_device_arrays(
+          spec.shape, sharding.with_memory_kind(PINNED), [st for _, st in picks])
+      arr = jax.device_put(pinned, sharding)
+      for copy, ck in in_place:
+        if ck.result() != tuple(copy.record.checksum):
+          raise BadCopy(copy.key(plan.step), spec.path, holder=f"slice {copy.store}")
+      if any(c.record.kind is ChecksumKind.DEVICE_SUM for c, _ in picks):
+        sums = shard_checksums(arr)
+        if sums is None:
+          return None
+        out, rows = sums
+        got = np.asarray(out)
+        for (copy, _), (device, _) in zip(picks, wanted):
+          if as_checksum(got[rows[device]]) != tuple(copy.record.checksum):
+            raise BadCopy(copy.key(plan.step), spec.path, holder=f"slice {copy.store}")
+    except BadCopy as e:
+      assembler.bad[e.key] = e
+      return None
+    except RuntimeError:  # an unreadable copy: the general path finds which
+      return None
+    assembler.bytes_read += sum(c.record.nbytes for c, _ in picks)
+    return arr
+
+
+def _alive_on(a: jax.Array, device: jax.Device) -> bool:
+  try:
+    return not a.is_deleted() and device_of(a) == device
+  except RuntimeError:
+    return False

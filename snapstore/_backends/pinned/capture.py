@@ -1,0 +1,248 @@
+"""Pinned-host capture: ``pinned_host`` copies of every piece on the failure
+domains (slices) that keep it, dispatched asynchronously.
+
+On Pathways the controller owns every array but the bytes of a
+``pinned_host`` array live in the RAM of the host of its device. So a
+snapshot is one single-device ``pinned_host`` array per stored piece, put on a
+device of the domain that keeps it: its own shards, plus a copy of each shard
+that has no data-parallel twin on the next domains in ring order
+(:func:`._placement.ring_keepers`). Nothing crosses to the controller but the
+checksums (:mod:`._checksum`). Numpy leaves and Python scalars are controller
+state (the controller survives on Pathways) and are kept as controller copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+from ... import _faults
+from ..._checksum import (Checksum, ChecksumKind, as_checksum, crc_chunks, device_checksum,
+                          shard_checksums)
+from ..._index import Index, nbytes as index_nbytes, normalize
+from ..._layout import LeafKind, LeafSpec, Piece
+from ..._placement import holders_by_domain, ring_keepers
+from .store import PINNED, Stored
+
+
+@dataclasses.dataclass
+class PinnedCapture:
+  """Pieces per domain, dispatched (not yet complete) ``pinned_host`` copies,
+  and the checksum of every distinct piece (pending on device)."""
+
+  pieces: dict[int, list[tuple[Piece, int]]]   # domain -> (piece, owner domain)
+  arrays: dict[int, list[Stored]]
+  sums: dict[tuple[int, Index], Callable[[], Checksum]]
+  kinds: dict[tuple[int, Index], ChecksumKind]
+  scalars: dict[int, Any]
+
+  def nbytes(self, domain: int) -> int:
+    return sum(p.nbytes for p, _ in self.pieces[domain])
+
+  def wait(self) -> None:
+    """Blocks until every copy has landed (raises if a slice died meanwhile)."""
+    jax.block_until_ready([a for arrs in self.arrays.values() for a in arrs
+                           if isinstance(a, jax.Array)])
+
+  def checksums(self, domain: int, pool: futures.Executor) -> list[Checksum]:
+    """Each piece's checksum (crc32c of host copies runs on ``pool``)."""
+    return list(pool.map(lambda p: self.sums[(p[0].leaf, p[0].index)](), self.pieces[domain]))
+
+
+def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
+            slices: Mapping[int, Sequence[jax.Device]], replicas: int,
+            step: int = -1, checksum: ChecksumKind = ChecksumKind.DEVICE_SUM,
+            chunk_bytes: int = 16 << 20,
+            before_dispatch: Callable[[dict[int, int]], None] = lambda nbytes: None
+            ) -> PinnedCapture:
+  """Dispatches ``pinned_host`` copies of every piece to the domains that keep
+  it; returns at once (the copies and checksums complete asynchronously, and
+  XLA orders them before any later step that donates the buffers).
+
+  ``before_dispatch(bytes per domain)`` runs before any memory is taken: it
+  may raise (over budget) or evict older snapshots.
+  """
+  ring = _Ring(slices)
+  cap = PinnedCapture({k: [] for k in ring.order}, {k: [] for k in ring.order}, {}, {}, {})
+  planned: list[tuple[int, jax.Array, _LeafPlan]] = []
+  for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+    if i == len(specs) // 2:
+      _faults.point("capture", step)
+    if spec.kind is LeafKind.SCALAR:
+      cap.scalars[i] = leaf
+    elif spec.kind is LeafKind.NUMPY:
+      data = np.array(leaf, copy=True)  # the caller may mutate it
+      index = tuple((0, n) for n in data.shape)
+      ck = crc_chunks(data, chunk_bytes=chunk_bytes)
+      cap.sums[(i, index)] = lambda c=ck: c
+      cap.kinds[(i, index)] = ChecksumKind.CRC32C
+      for k in ring.order:
+        cap.pieces[k].append((Piece(i, index, data.nbytes), ring.order[0]))
+        cap.arrays[k].append(data)
+    else:
+      arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+      plan = _LeafPlan.of(spec, arr, ring, replicas)
+      for (index, d), owner in plan.keep.items():
+        cap.pieces[d].append((Piece(i, index, plan.nbytes(index)), owner))
+        cap.arrays[d].append(None)  # filled at dispatch
+      planned.append((i, arr, plan))
+  before_dispatch({d: cap.nbytes(d) for d in ring.order})
+  slot = {(p.leaf, p.index, d): n for d, ps in cap.pieces.items() for n, (p, _) in enumerate(ps)}
+  for i, arr, plan in planned:
+    on_device = checksum is ChecksumKind.DEVICE_SUM
+    per_shard = shard_checksums(arr) if on_device else None
+    for (index, d), copy in plan.dispatch(arr, ring).items():
+      cap.arrays[d][slot[(i, index, d)]] = copy
+    first: dict[Index, int] = {}  # the lowest domain keeping each piece
+    for index, d in plan.keep:
+      first[index] = min(d, first.get(index, d))
+    for index, src in plan.sources.items():
+      d = first[index]
+      cap.kinds[(i, index)] = checksum
+      cap.sums[(i, index)] = (_pending_sum(src, per_shard) if on_device
+                              else _host_sum(cap, d, slot[(i, index, d)], chunk_bytes))
+  return cap
+
+
+class _Ring:
+  """Failure domains in ring order, and each device's place in its domain."""
+
+  def __init__(self, slices: Mapping[int, Sequence[jax.Device]]):
+    self.slices = {k: list(v) for k, v in slices.items()}
+    self.order = sorted(self.slices)
+    self._where = {d: (k, i) for k, devs in self.slices.items() for i, d in enumerate(devs)}
+    self.domain_of = {d: k for d, (k, _) in self._where.items()}
+
+  def domain(self, device: jax.Device) -> int:
+    return self._where[device][0]
+
+  def shifted(self, device: jax.Device, k: int) -> jax.Device | None:
+    """The device at the same place ``k`` domains further on the ring."""
+    d, pos = self._where[device]
+    target = self.slices[self.order[(self.order.index(d) + k) % len(self.order)]]
+    return target[pos] if pos < len(target) else None
+
+
+@dataclasses.dataclass
+class _LeafPlan:
+  """Which (index, domain) copies one leaf needs, and from where."""
+
+  itemsize: int
+  holders: dict[Index, dict[int, jax.Array]]  # index -> domain -> its shard data
+  keep: dict[tuple[Index, int], int]          # (index, domain) -> owner domain
+  sources: dict[Index, jax.Array]             # index -> the owner's shard
+
+  @classmethod
+  def of(cls, spec: LeafSpec, arr: jax.Array, ring: _Ring, replicas: int) -> _LeafPlan:
+    holders = holders_by_domain(spec.path, arr, ring.domain_of)
+    keep: dict[tuple[Index, int], int] = {}
+    sources = {}
+    for index, by_domain in holders.items():
+      owner = min(by_domain)
+      sources[index] = by_domain[owner]
+      keep.update({(index, d): owner for d in ring_keepers(by_domain, ring.order, replicas)})
+    return cls(arr.dtype.itemsize, holders, keep, sources)
+
+  def nbytes(self, index: Index) -> int:
+    return index_nbytes(index, self.itemsize)
+
+  def dispatch(self, arr: jax.Array, ring: _Ring) -> dict[tuple[Index, int], jax.Array]:
+    """Starts the copies: whole-array ``device_put``s where the sharding
+    allows (async, one dispatch, all devices in parallel), else one put per
+    piece."""
+    out: dict[tuple[Index, int], jax.Array] = {}
+    shape = tuple(arr.shape)
+    own = [key for key in self.keep if key[1] in self.holders[key[0]]]
+    dense = sum(len(v) for v in self.holders.values()) == len(arr.sharding.device_set)
+    whole = None  # the whole leaf in pinned_host memory, where it was put at once
+    if own and dense and isinstance(arr.sharding, NamedSharding):
+      whole = jax.device_put(arr, arr.sharding.with_memory_kind(PINNED))
+      self._collect(whole, ring, shape, own, out)
+    else:
+      for index, d in own:
+        data = self.holders[index][d]
+        out[(index, d)] = jax.device_put(data, _pinned_on(device_of(data)))
+    by_shift: dict[int, list[tuple[Index, int]]] = {}
+    n = len(ring.order)
+    for index, t in self.keep:
+      if t not in self.holders[index]:
+        k = next(k for k in range(1, n)
+                 if ring.order[(ring.order.index(t) - k) % n] in self.holders[index])
+        by_shift.setdefault(k, []).append((index, t))
+    for k, wanted in sorted(by_shift.items()):
+      moved = _ring_sharding(arr.sharding, ring, k)
+      if moved is not None:
+        if whole is None:  # a put may change devices or memory kind, not both
+          whole = jax.device_put(arr, arr.sharding.with_memory_kind(PINNED))
+        self._collect(jax.device_put(whole, moved), ring, shape, wanted, out)
+        continue
+      for index, t in wanted:  # one by one, from the domain k places back
+        src_domain = ring.order[(ring.order.index(t) - k) % n]
+        data = self.holders[index][src_domain]
+        there = ring.shifted(device_of(data), k) or ring.slices[t][0]
+        out[(index, t)] = jax.device_put(data, _pinned_on(there))
+    return out
+
+  @staticmethod
+  def _collect(copy: jax.Array, ring: _Ring, shape: tuple[int, ...],
+               wanted: Sequence[tuple[Index, int]], out: dict) -> None:
+    want = set(wanted)
+    for shard in copy.addressable_shards:
+      key = (normalize(shard.index, shape), ring.domain(shard.device))
+      if key in want and key not in out:
+        out[key] = shard.data
+
+
+def _pinned_on(device: jax.Device) -> SingleDeviceSharding:
+  return SingleDeviceSharding(device, memory_kind=PINNED)
+
+
+def _ring_sharding(sharding: jax.sharding.Sharding, ring: _Ring, k: int
+                   ) -> NamedSharding | None:
+  """``sharding`` with every device replaced by the one ``k`` domains on, in
+  ``pinned_host`` memory: a put onto it copies each shard to the next domain."""
+  if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
+    return None
+  devs = sharding.mesh.devices
+  moved = [ring.shifted(d, k) for d in devs.flat]
+  if any(d is None for d in moved) or len(set(moved)) != len(moved):
+    return None
+  mesh = Mesh(np.array(moved, dtype=object).reshape(devs.shape), sharding.mesh.axis_names)
+  return NamedSharding(mesh, sharding.spec, memory_kind=PINNED)
+
+
+def _host_sum(cap: PinnedCapture, domain: int, position: int, chunk_bytes: int
+              ) -> Callable[[], Checksum]:
+  """crc32c of a piece's first pinned copy, once it has landed (memoized)."""
+  memo: list[Checksum] = []
+  lock = threading.Lock()  # copies of one piece in several domains share it
+
+  def get() -> Checksum:
+    with lock:
+      if not memo:
+        memo.append(crc_chunks(np.asarray(cap.arrays[domain][position]),
+                               chunk_bytes=chunk_bytes))
+      return memo[0]
+  return get
+
+
+def _pending_sum(src: jax.Array, per_shard: tuple[jax.Array, dict] | None
+                 ) -> Callable[[], Checksum]:
+  if per_shard is not None:
+    out, rows = per_shard
+    row = rows[next(iter(src.devices()))]
+    return lambda: as_checksum(np.asarray(out)[row])
+  pending = device_checksum(src)  # dispatched now, read in the drain
+  return lambda: as_checksum(pending)
+
+
+def device_of(a: jax.Array) -> jax.Device:
+  """The device of a single-device array."""
+  return next(iter(a.devices()))

@@ -1,0 +1,117 @@
+"""One failure domain's pinned-host store: manifests (in this process's
+memory) and the ``pinned_host`` arrays of each slot.
+
+Mirrors :class:`..hostfiles.store.HostStore`: a fixed number of slots
+(:func:`._planner.slot_count`), a slot taken per snapshot (the oldest evicted
+when none is free), manifests committed after the data, retention by the
+shared rule. ``PieceRecord.offset`` is the piece's position in its slot's
+array list.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from ... import _faults, _planner
+from ..._manifest import Manifest
+from ..base import NO_PROGRESS
+
+logger = logging.getLogger(__name__)
+
+PINNED = "pinned_host"
+Stored = jax.Array | np.ndarray
+
+
+def supports_pinned_host(devices: Sequence[jax.Device]) -> bool:
+  """True if every device has a ``pinned_host`` memory space."""
+  try:
+    return all(any(m.kind == PINNED for m in d.addressable_memories()) for d in devices)
+  except Exception:  # noqa: BLE001 - a backend without memories API
+    return False
+
+
+class PinnedHostStore:
+  """One failure domain's snapshots. Not thread-safe: the backend serializes."""
+
+  def __init__(self, domain: int, *, keep: int, budget_bytes: int | None):
+    self.host = domain  # manifests name their store by this id
+    self.keep = keep
+    self.budget_bytes = budget_bytes
+    self._manifests: dict[int, Manifest] = {}  # step -> manifest
+    self._slots: dict[int, list[Stored]] = {}  # slot -> its arrays
+    self.num_slots = keep + 1
+    self._progress = NO_PROGRESS
+
+  def __repr__(self) -> str:
+    return f"pinned_host store of slice {self.host}"
+
+  def plan_slots(self, snapshot_bytes: int) -> int:
+    self.num_slots = _planner.slot_count(
+        snapshot_bytes, keep=self.keep, budget_bytes=self.budget_bytes,
+        where=f"the pinned host memory on slice {self.host}")
+    for slot in [s for s in self._slots if s >= self.num_slots]:
+      self._drop_slot(slot, "slot count reduced")
+    return self.num_slots
+
+  def take_slot(self, step: int) -> int:
+    """A slot for ``step``'s arrays, its previous contents freed (the oldest
+    snapshot is evicted when none is free)."""
+    slot, evict = _planner.free_slot(self.manifests(), self.num_slots)
+    if evict is not None:
+      self.delete(evict.step, f"evicted to free a slot for step {step}")
+    self._drop_slot(slot, f"slot {slot} reused for step {step}")
+    return slot
+
+  def fill(self, slot: int, arrays: list[Stored]) -> None:
+    self._slots[slot] = arrays
+
+  def array(self, slot: int, position: int) -> Stored:
+    return self._slots[slot][position]
+
+  def commit(self, manifest: Manifest) -> None:
+    _faults.point("manifest", manifest.step)
+    self._manifests[manifest.step] = manifest
+
+  def manifests(self) -> list[Manifest]:
+    return [self._manifests[s] for s in sorted(self._manifests)]
+
+  def delete(self, step: int, reason: str) -> None:
+    logger.debug("slice %d: dropping snapshot of step %d (%s)", self.host, step, reason)
+    m = self._manifests.pop(step, None)
+    if m is not None and not any(o.slot == m.slot for o in self._manifests.values()):
+      _free(self._slots.pop(m.slot, ()))
+
+  def _drop_slot(self, slot: int, reason: str) -> None:
+    for m in [m for m in self._manifests.values() if m.slot == slot]:
+      self.delete(m.step, reason)
+    _free(self._slots.pop(slot, ()))
+
+  def wipe(self) -> None:
+    """Forgets every snapshot (the domain's host memory is gone)."""
+    for step in list(self._manifests):
+      self.delete(step, "wiped")
+    for slot in list(self._slots):
+      _free(self._slots.pop(slot))
+    self._progress = NO_PROGRESS
+
+  def write_progress(self, step: int, incarnation: int) -> None:
+    self._progress = (step, incarnation)
+
+  def read_progress(self) -> tuple[int, int]:
+    return self._progress
+
+  def close(self) -> None:
+    self.wipe()
+
+
+def _free(arrays: Sequence[Stored]) -> None:
+  for a in arrays:
+    if isinstance(a, jax.Array):
+      try:
+        a.delete()
+      except Exception:  # noqa: BLE001 - an array of a lost slice may not answer
+        pass

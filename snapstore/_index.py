@@ -1,0 +1,80 @@
+"""Index maths: global index ranges of array pieces, their sizes and overlaps.
+
+An *index* is a tuple of ``(start, stop)`` per dimension (half-open, step 1):
+the global region of a leaf that one piece covers. Every module that sizes,
+cuts or compares pieces uses these functions; none computes them itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+
+Index = tuple[tuple[int, int], ...]
+Slices = tuple[slice, ...]
+
+ALIGN = 4096  # pieces start on page boundaries in a host-store slot
+
+
+def align(n: int) -> int:
+  """``n`` rounded up to a multiple of :data:`ALIGN`."""
+  return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def shape_of(index: Index) -> tuple[int, ...]:
+  return tuple(b - a for a, b in index)
+
+
+def volume(index: Index) -> int:
+  """Elements in ``index`` (1 for the index of a 0-d array)."""
+  return int(np.prod(shape_of(index), dtype=np.int64))
+
+
+def nbytes(index: Index, itemsize: int) -> int:
+  return volume(index) * itemsize
+
+
+def full(shape: Sequence[int]) -> Index:
+  """The index of a whole leaf of ``shape``."""
+  return tuple((0, int(d)) for d in shape)
+
+
+def normalize(index: tuple[slice, ...] | None, shape: Sequence[int]) -> Index:
+  """A JAX shard index (slices, possibly open or None) -> an :data:`Index`."""
+  if index is None:
+    return full(shape)
+  out = []
+  for i, dim in enumerate(shape):
+    s = index[i] if i < len(index) else slice(None)
+    start, stop, step = s.indices(dim)
+    if step != 1:
+      raise ValueError(f"strided shard index {index} is not supported")
+    out.append((start, stop))
+  return tuple(out)
+
+
+def to_slices(index: Index) -> Slices:
+  return tuple(slice(a, b) for a, b in index)
+
+
+def overlap(a: Index, b: Index) -> Index | None:
+  """The region ``a`` and ``b`` share, or None (0-d indices always overlap)."""
+  out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+  return out if all(lo < hi for lo, hi in out) else None
+
+
+def overlaps(pieces: Iterable[Index], region: Index) -> Iterator[tuple[Index, Slices, Slices]]:
+  """For each piece overlapping ``region``: (piece, where the overlap sits in
+  the region, where it sits in the piece)."""
+  for pidx in pieces:
+    ov = overlap(pidx, region)
+    if ov is not None:
+      yield (pidx, tuple(slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(ov, region)),
+             tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(ov, pidx)))
+
+
+def covered(pieces: Iterable[Index], region: Index) -> int:
+  """Elements of ``region`` covered by ``pieces`` (overlaps between pieces
+  counted twice: pass distinct, non-overlapping pieces)."""
+  return sum(volume(ov) for p in pieces if (ov := overlap(p, region)) is not None)

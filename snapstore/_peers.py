@@ -1,0 +1,146 @@
+"""Who takes part in a restore: this process alone, or every process of a
+multi-controller job (``jax.distributed``).
+
+The manager picks one at construction and never asks again. :class:`Solo`
+reads every copy it needs from the stores it holds. :class:`Distributed`
+exchanges the inventories, agrees on the bad copies, and moves the pieces a
+host lacks with JAX (``_exchange``); every method of it is collective: all
+processes call it in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _exchange, _faults
+from ._assemble import Assembler, BadCopy, build_leaf, full_region
+from ._index import align, to_slices
+from ._layout import LeafKind, LeafSpec, batches, target_sharding, wants_numpy
+from ._manifest import Manifest
+from ._planner import CopyKey, StepPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembled:
+  """One attempt at a step: the leaves (None if a copy it needed was bad),
+  the bad copies found (why, per copy), and the bytes moved between hosts."""
+
+  leaves: list[Any] | None
+  bad: dict[CopyKey, str]
+  bytes_exchanged: int = 0
+
+
+class Solo:
+  """A single process (one host, or a single controller holding every
+  failure domain's store)."""
+
+  multi_host = False
+
+  def gather_manifests(self, local: Sequence[Manifest]) -> list[Manifest]:
+    return list(local)
+
+  def agree_max(self, value: int) -> int:
+    return value
+
+  def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
+               targets: Sequence[Any]) -> Assembled:
+    _faults.point("restore", assembler.plan.step)
+    try:
+      leaves = assembler.tree(target_specs, targets)
+    except BadCopy as e:
+      assembler.bad.setdefault(e.key, e)
+      leaves = None
+    return Assembled(leaves, {k: str(e) for k, e in assembler.bad.items()})
+
+
+class Distributed:
+  """Every process of a multi-controller job; ``host`` is this one."""
+
+  multi_host = True
+
+  def __init__(self, host: int):
+    self.host = host
+
+  def gather_manifests(self, local: Sequence[Manifest]) -> list[Manifest]:
+    return _exchange.gather_manifests(local)
+
+  def agree_max(self, value: int) -> int:
+    return int(_exchange.gather_ints([value]).max())
+
+  def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
+               targets: Sequence[Any]) -> Assembled:
+    """Verifies every copy this host will use, agrees with the others on the
+    bad ones (a retry then plans without them), else builds the leaves."""
+    plan = assembler.plan
+    local_bad = []
+    for (leaf, idx), copies in plan.copies.items():
+      if any(c.store == self.host for c in copies):
+        try:
+          assembler.piece(leaf, idx)
+        except BadCopy as e:
+          local_bad.append(e.key)
+    local_bad.extend(k for k in assembler.bad if k not in local_bad)
+    bad = _exchange.gather_bad(local_bad)
+    if bad:
+      return Assembled(None, {k: f"checksum mismatch in leaf {plan.specs[k[2]].path!r} "
+                                 f"held by host {k[0]}" for k in bad})
+    leaves, moved = self._leaves(assembler, target_specs, targets)
+    return Assembled(leaves, {}, moved)
+
+  def _leaves(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
+              targets: Sequence[Any]) -> tuple[list[Any], int]:
+    """Each leaf: cut locally where every host holds what its devices need,
+    else move the pieces with batched JAX reductions."""
+    plan = assembler.plan
+    by_path = {s.path: i for i, s in enumerate(plan.specs)}
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    out: list[Any] = [None] * len(target_specs)
+    moved: list[int] = []  # positions in target_specs whose pieces must travel
+    for pos, (tspec, target) in enumerate(zip(target_specs, targets)):
+      li = by_path[tspec.path]
+      spec = plan.specs[li]
+      if spec.kind is LeafKind.SCALAR:
+        out[pos] = plan.scalars.get(li)
+        continue
+      sharding = (replicated if wants_numpy(spec, tspec, target)
+                  else target_sharding(target))
+      if _exchange.locally_coverable(plan, li, sharding, spec.shape):
+        out[pos] = assembler.leaf(li, tspec, target)
+      else:
+        moved.append(pos)
+      if pos == len(target_specs) // 2:
+        _faults.point("restore", plan.step)
+    sizes = [align(plan.specs[by_path[target_specs[p].path]].nbytes) for p in moved]
+    groups = batches(sizes, _exchange.BATCH_BYTES)
+    width = max((sum(sizes[i] for i in g) for g in groups), default=0)
+    exchanged = 0
+    for group in groups:  # the same groups, in the same order, on every host.
+      buf = np.zeros(width, np.uint8)
+      offsets, off = [], 0
+      for i in group:
+        li = by_path[target_specs[moved[i]].path]
+        spec = plan.specs[li]
+        offsets.append(off)
+        leaf = buf[off: off + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
+        for idx, copies in plan.leaf_copies(li).items():
+          if _exchange.chosen_source(copies).store == self.host:
+            leaf[to_slices(idx)] = assembler.piece(li, idx)
+        off += sizes[i]
+      total = _exchange.sum_bytes(buf)
+      exchanged += total.nbytes
+      for i, at in zip(group, offsets):
+        pos = moved[i]
+        spec = plan.specs[by_path[target_specs[pos].path]]
+        whole = total[at: at + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
+        out[pos] = build_leaf(spec, target_specs[pos], targets[pos], full_region(whole))
+    return out, exchanged
+
+
+def for_job(host: int, num_hosts: int) -> Solo | Distributed:
+  return Distributed(host) if num_hosts > 1 else Solo()
