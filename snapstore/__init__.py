@@ -11,7 +11,10 @@ from .errors import (
     SnapshotInProgressError as SnapshotInProgressError,
     SnapstoreError as SnapstoreError,
     StepNotFoundError as StepNotFoundError,
+    StoreError as StoreError,
     TreeMismatchError as TreeMismatchError,
+    UnsafeStoreError as UnsafeStoreError,
+    UnsupportedLeafError as UnsupportedLeafError,
 )
 from .metrics import RestoreResult as RestoreResult
 from .metrics import SaveMetrics as SaveMetrics
@@ -26,6 +29,7 @@ __all__ = [
     "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError", "DrainFailedError",
     "NothingToRestoreError", "OrbaxTier", "RestoreResult", "SaveMetrics",
     "SnapshotInProgressError", "SnapshotManager", "SnapshotOptions",
-    "SnapstoreError", "Source", "StepNotFoundError", "StoreKind", "TreeMismatchError",
+    "SnapstoreError", "Source", "StepNotFoundError", "StoreError", "StoreKind", "TreeMismatchError",
+    "UnsafeStoreError", "UnsupportedLeafError",
     "errors",
 ]

@@ -53,23 +53,37 @@ def _chunk_starts(n: int, chunk_bytes: int) -> list[int]:
   return list(range(0, max(n, 1), chunk_bytes))
 
 
-def crc_chunks(buf: np.ndarray, *, chunk_bytes: int,
+def piece_key(path: str, index: Sequence[Sequence[int]]) -> bytes:
+  """What a piece's crc32c is seeded with: its leaf path and global index, so
+  the checksum binds the bytes to where they go (a manifest whose indices
+  were swapped fails it)."""
+  return f"{path}|{[list(r) for r in index]}".encode()
+
+
+def chunk_seed(key: bytes, chunk: int) -> int:
+  """The initial crc32c value of chunk number ``chunk`` of the piece ``key``."""
+  return crc32c.crc32c(key + chunk.to_bytes(8, "little"))
+
+
+def crc_chunks(buf: np.ndarray, *, chunk_bytes: int, key: bytes,
                pool: futures.Executor | None = None) -> Checksum:
-  """crc32c of each ``chunk_bytes`` chunk of ``buf`` (on ``pool`` if given)."""
+  """crc32c of each ``chunk_bytes`` chunk of ``buf``, each seeded with
+  :func:`chunk_seed` of ``key`` (on ``pool`` if given)."""
   raw = _flat_bytes(buf)
   n = raw.nbytes
-  one = lambda a: crc32c.crc32c(raw[a:min(a + chunk_bytes, n)])  # noqa: E731
+  one = lambda a: crc32c.crc32c(raw[a:min(a + chunk_bytes, n)],  # noqa: E731
+                                chunk_seed(key, a // chunk_bytes))
   starts = _chunk_starts(n, chunk_bytes)
   return tuple(pool.map(one, starts) if pool is not None and len(starts) > 1
                else map(one, starts))
 
 
-def crc_matches(buf: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int,
+def crc_matches(buf: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key: bytes,
                 pool: futures.Executor | None = None) -> bool:
   """True if every chunk of ``buf`` matches its recorded crc32c."""
   if len(_chunk_starts(_flat_bytes(buf).nbytes, chunk_bytes)) != len(crcs):
     return False
-  return crc_chunks(buf, chunk_bytes=chunk_bytes, pool=pool) == tuple(crcs)
+  return crc_chunks(buf, chunk_bytes=chunk_bytes, key=key, pool=pool) == tuple(crcs)
 
 _GOLDEN = 0x9E3779B9
 _SEEDS = (0x243F6A88, 0x85A308D3)

@@ -7,6 +7,7 @@ cuts or compares pieces uses these functions; none computes them itself.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -78,3 +79,46 @@ def covered(pieces: Iterable[Index], region: Index) -> int:
   """Elements of ``region`` covered by ``pieces`` (overlaps between pieces
   counted twice: pass distinct, non-overlapping pieces)."""
   return sum(volume(ov) for p in pieces if (ov := overlap(p, region)) is not None)
+
+
+_MAX_CELLS = 1 << 22
+
+
+def _coverage(indices: Sequence[Index], shape: Sequence[int]) -> np.ndarray | None:
+  """How many of ``indices`` cover each cell of the grid their bounds cut
+  ``shape`` into (None if that grid is too large to count)."""
+  cuts = [sorted({0, int(shape[d])} | {x for idx in indices for x in idx[d]})
+          for d in range(len(shape))]
+  if int(np.prod([len(c) - 1 for c in cuts], dtype=np.int64)) > _MAX_CELLS:
+    return None
+  counts = np.zeros([len(c) - 1 for c in cuts], np.int32)
+  for idx in indices:
+    counts[tuple(slice(bisect.bisect_left(c, a), bisect.bisect_left(c, b))
+                 for c, (a, b) in zip(cuts, idx))] += 1
+  return counts
+
+
+def _pairwise_disjoint(indices: Sequence[Index]) -> bool:
+  nonempty = [i for i in indices if volume(i) > 0]
+  return all(overlap(a, b) is None for k, a in enumerate(nonempty) for b in nonempty[k + 1:])
+
+
+def disjoint(indices: Sequence[Index]) -> bool:
+  """True if no two of ``indices`` (all of one leaf) share an element."""
+  if not indices:
+    return True
+  shape = [max(idx[d][1] for idx in indices) for d in range(len(indices[0]))]
+  counts = _coverage(indices, shape)
+  return _pairwise_disjoint(indices) if counts is None else bool((counts <= 1).all())
+
+
+def tiles(indices: Sequence[Index], shape: Sequence[int]) -> bool:
+  """True if ``indices`` cover every element of a leaf of ``shape`` exactly
+  once (no gaps, no overlaps)."""
+  if volume(full(shape)) == 0:
+    return True
+  counts = _coverage(indices, shape)
+  if counts is None:
+    return (_pairwise_disjoint(indices)
+            and sum(volume(i) for i in indices) == volume(full(shape)))
+  return bool((counts == 1).all())

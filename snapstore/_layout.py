@@ -24,6 +24,14 @@ from . import _index, errors
 from ._index import Index
 
 SCALAR_TYPES = (bool, int, float, str)
+# Storage dtypes a snapshot may hold (a closed set: a manifest naming another
+# is corrupt, and save refuses a leaf of another up front).
+SUPPORTED_DTYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "bfloat16", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2"})
+_INT_RANGE = (-(2**63), 2**64 - 1)  # what msgpack carries
+MAX_STR = 1 << 20
 
 
 class LeafKind(enum.Enum):
@@ -78,22 +86,56 @@ def is_key(x: Any) -> bool:
 
 
 def leaf_spec(path: str, leaf: Any) -> LeafSpec:
-  """The stored description of one concrete or abstract leaf."""
+  """The stored description of one concrete or abstract leaf; raises
+  UnsupportedLeafError (naming the leaf) for what a restore could not read."""
   if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
     if is_key(leaf):
       data = jax.eval_shape(jax.random.key_data, leaf)
       impl = leaf.dtype._impl.name  # the registered name, e.g. "threefry2x32"
-      return LeafSpec(path, LeafKind.KEY, str(data.dtype), tuple(data.shape), impl)
-    return LeafSpec(path, LeafKind.ARRAY, str(leaf.dtype), tuple(leaf.shape))
-  if isinstance(leaf, (np.ndarray, np.generic)):
-    if leaf.dtype.hasobject:
-      raise TypeError(f"leaf {path!r}: object arrays cannot be snapshotted")
-    return LeafSpec(path, LeafKind.NUMPY, str(leaf.dtype), tuple(np.shape(leaf)))
-  if leaf is None or isinstance(leaf, SCALAR_TYPES):
+      spec = LeafSpec(path, LeafKind.KEY, str(data.dtype), tuple(data.shape), impl)
+    else:
+      spec = LeafSpec(path, LeafKind.ARRAY, str(leaf.dtype), tuple(leaf.shape))
+  elif isinstance(leaf, (np.ndarray, np.generic)):
+    spec = LeafSpec(path, LeafKind.NUMPY, str(leaf.dtype), tuple(np.shape(leaf)))
+  elif leaf is None or isinstance(leaf, SCALAR_TYPES):
+    check_scalar(path, leaf)
     return LeafSpec(path, LeafKind.SCALAR)
-  raise TypeError(
-      f"leaf {path!r} has unsupported type {type(leaf).__name__}; snapstore "
-      "stores jax.Array, typed PRNG keys, numpy arrays and bool/int/float/str")
+  else:
+    raise errors.UnsupportedLeafError(
+        f"leaf {path!r} has unsupported type {type(leaf).__name__}; snapstore "
+        "stores jax.Array, typed PRNG keys, numpy arrays and bool/int/float/str/None",
+        leaf=path)
+  try:
+    check_spec(spec)
+  except ValueError as e:
+    raise errors.UnsupportedLeafError(f"leaf {path!r}: {e}", leaf=path) from None
+  return spec
+
+
+def check_spec(spec: LeafSpec) -> None:
+  """Raises ValueError unless ``spec`` is one snapstore can store and read."""
+  if spec.kind is LeafKind.SCALAR:
+    if spec.dtype or spec.shape or spec.key_impl:
+      raise ValueError("a scalar leaf has no dtype, shape or key implementation")
+    return
+  if spec.dtype not in SUPPORTED_DTYPES:
+    raise ValueError(f"dtype {spec.dtype!r} is not one of {sorted(SUPPORTED_DTYPES)}")
+  if bool(spec.key_impl) != (spec.kind is LeafKind.KEY):
+    raise ValueError("only key leaves name a key implementation")
+  if spec.nbytes >= 2**62:
+    raise ValueError(f"shape {spec.shape} is too large")
+
+
+def check_scalar(path: str, value: Any) -> None:
+  """Raises UnsupportedLeafError unless a manifest can carry ``value`` exactly."""
+  ok = (value is None or type(value) in (bool, float)
+        or (type(value) is int and _INT_RANGE[0] <= value <= _INT_RANGE[1])
+        or (type(value) is str and len(value) <= MAX_STR))
+  if not ok:
+    raise errors.UnsupportedLeafError(
+        f"leaf {path!r}: {type(value).__name__} {str(value)[:40]!r} cannot be kept "
+        "exactly (Python scalars: bool, float, int within 64 bits, str up to 1 MiB, "
+        "None; put other values in a numpy array)", leaf=path)
 
 
 def flatten(tree: Any) -> tuple[list[LeafSpec], list[Any], Any]:

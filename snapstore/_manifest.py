@@ -4,7 +4,9 @@ A manifest names every piece a store holds for one step (leaf, global index,
 where it sits in the store, its checksum and how that was computed, the host or
 failure domain that owns it), the tree
 digest, and the fencing fields (run id, incarnation). It is written last and
-atomically: a step without a valid manifest does not exist.
+atomically: a step without a valid manifest does not exist. The file carries a
+crc32c of its body, checked before any field is trusted, and every field is
+validated (:func:`validate`): a manifest that fails is corruption.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import crc32c
 import msgpack
 
 from . import errors
 from ._checksum import ChecksumKind
-from ._index import Index
-from ._layout import LeafKind, LeafSpec, SCALAR_TYPES, spec_from_row, spec_row
+from ._index import Index, disjoint, nbytes as index_nbytes
+from ._layout import (LeafKind, LeafSpec, check_scalar, check_spec, spec_from_row, spec_row,
+                      tree_digest)
 
 FORMAT = "snapstore/manifest"
-VERSION = 2
+VERSION = 3  # 3: an envelope with the body's crc32c; per-piece checksum kinds
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_INT = 2**62  # steps, incarnations, sizes: room to add one without overflow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +78,8 @@ class Manifest:
 
 
 def encode(m: Manifest) -> bytes:
+  """The manifest file: an envelope carrying the body and its crc32c."""
   doc = {
-      "format": FORMAT, "version": VERSION,
       "run_id": m.run_id, "incarnation": m.incarnation, "step": m.step,
       "host": m.host, "num_hosts": m.num_hosts, "tree_digest": m.tree_digest,
       "slot": m.slot, "chunk_bytes": m.chunk_bytes, "created": m.created,
@@ -84,7 +89,9 @@ def encode(m: Manifest) -> bytes:
       "scalars": [[k, v] for k, v in sorted(m.scalars.items())],
       "extra": m.extra,
   }
-  return msgpack.packb(doc, use_bin_type=True)
+  body = msgpack.packb(doc, use_bin_type=True)
+  return msgpack.packb({"format": FORMAT, "version": VERSION,
+                        "crc32c": crc32c.crc32c(body), "body": body}, use_bin_type=True)
 
 
 def check_extra(extra: Any) -> None:
@@ -109,23 +116,42 @@ def _normalize(x: Any) -> Any:
   return x
 
 
+def _unpack(data: bytes) -> Any:
+  return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
 def decode(data: bytes, *, what: str = "manifest") -> Manifest:
-  """Parses and validates a manifest; raises CorruptSnapshotError."""
+  """Parses a manifest, checks its crc32c before trusting any field, then
+  validates every field; raises CorruptSnapshotError saying why."""
   if len(data) > MAX_MANIFEST_BYTES:
     raise errors.CorruptSnapshotError(f"{what}: {len(data)} bytes exceeds the limit")
   try:
-    doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    env = _unpack(data)
   except Exception as e:  # msgpack raises several unrelated types on bad input.
     raise errors.CorruptSnapshotError(f"{what}: not valid msgpack ({e})") from e
+  if not isinstance(env, dict) or env.get("format") != FORMAT:
+    raise errors.CorruptSnapshotError(f"{what}: not a {FORMAT} file")
+  if env.get("version") != VERSION:
+    raise errors.CorruptSnapshotError(
+        f"{what}: version {env.get('version')!r} is not supported (want {VERSION})")
+  body = env.get("body")
+  if not isinstance(body, bytes) or env.get("crc32c") != crc32c.crc32c(body):
+    raise errors.CorruptSnapshotError(f"{what}: its checksum does not match its content")
   try:
-    return _from_doc(doc)
-  except (KeyError, TypeError, ValueError) as e:
-    raise errors.CorruptSnapshotError(f"{what}: malformed ({e!r})") from e
+    doc = _unpack(body)
+  except Exception as e:  # noqa: BLE001 - as above
+    raise errors.CorruptSnapshotError(f"{what}: body is not valid msgpack ({e})") from e
+  try:
+    m = _from_doc(doc)
+    validate(m)
+  except (KeyError, TypeError, ValueError, OverflowError) as e:
+    raise errors.CorruptSnapshotError(f"{what}: malformed ({e})") from e
+  return m
 
 
-def _int(x: Any, lo: int = 0) -> int:
-  if type(x) is not int or x < lo:
-    raise ValueError(f"expected int >= {lo}, got {x!r}")
+def _int(x: Any, lo: int = 0, hi: int = MAX_INT) -> int:
+  if type(x) is not int or not lo <= x <= hi:
+    raise ValueError(f"expected an int in [{lo}, {hi}], got {x!r}")
   return x
 
 
@@ -138,48 +164,79 @@ def _str(x: Any) -> str:
 def _from_doc(doc: Any) -> Manifest:
   if not isinstance(doc, dict):
     raise TypeError("top level is not a map")
-  if doc.get("format") != FORMAT:
-    raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT!r}")
-  if doc.get("version") != VERSION:
-    raise ValueError(f"version {doc.get('version')!r} is not supported (want {VERSION})")
-  leaves = [spec_from_row(row) for row in doc["leaves"]]
+  leaves = tuple(spec_from_row(row) for row in doc["leaves"])
   pieces = []
   for row in doc["pieces"]:
     leaf, index, offset, nbytes, crcs, owner, kind = row
-    leaf = _int(leaf)
-    if leaf >= len(leaves):
-      raise ValueError(f"piece names leaf {leaf} of {len(leaves)}")
-    idx = tuple((_int(a), _int(b)) for a, b in index)
-    if len(idx) != len(leaves[leaf].shape) or any(
-        not a <= b <= d for (a, b), d in zip(idx, leaves[leaf].shape)):
-      raise ValueError(f"piece index {idx} outside leaf shape {leaves[leaf].shape}")
-    pieces.append(PieceRecord(leaf, idx, _int(offset), _int(nbytes),
-                              tuple(_int(c) for c in crcs), _int(owner), ChecksumKind(kind)))
-  scalars = {}
+    pieces.append(PieceRecord(_int(leaf), tuple((_int(a), _int(b)) for a, b in index),
+                              _int(offset), _int(nbytes),
+                              tuple(_int(c, 0, 2**32 - 1) for c in crcs), _int(owner),
+                              ChecksumKind(kind)))
+  scalars: dict[int, Any] = {}
   for k, v in doc["scalars"]:
-    k = _int(k)
-    if k >= len(leaves) or leaves[k].kind is not LeafKind.SCALAR:
-      raise ValueError(f"scalar entry {k} is not a scalar leaf")
-    if v is not None and not isinstance(v, SCALAR_TYPES):
-      raise TypeError(f"scalar leaf {k} has type {type(v).__name__}")
+    if _int(k) in scalars:
+      raise ValueError(f"scalar entry {k} appears twice")
     scalars[k] = v
   created = doc.get("created", 0.0)
-  if not isinstance(created, (int, float)):
+  if type(created) not in (int, float):
     raise TypeError("created is not a number")
   return Manifest(
       run_id=_str(doc["run_id"]), incarnation=_int(doc["incarnation"]),
       step=_int(doc["step"]), host=_int(doc["host"]),
       num_hosts=_int(doc["num_hosts"], 1), tree_digest=_str(doc["tree_digest"]),
       slot=_int(doc["slot"]), chunk_bytes=_int(doc["chunk_bytes"], 1),
-      leaves=tuple(leaves), pieces=tuple(pieces), scalars=scalars,
+      leaves=leaves, pieces=tuple(pieces), scalars=scalars,
       extra=doc.get("extra"), created=float(created))
+
+
+def validate(m: Manifest) -> None:
+  """Checks what a manifest claims, beyond its types: leaves from the closed
+  sets and matching the tree digest, every scalar leaf's value present once,
+  pieces inside their leaf, sized right, with checksums of the right shape,
+  and no two pieces of a leaf overlapping. Raises ValueError/TypeError."""
+  paths = [s.path for s in m.leaves]
+  if len(set(paths)) != len(paths):
+    raise ValueError("two leaves share a path")
+  for s in m.leaves:
+    check_spec(s)
+  if tree_digest(m.leaves) != m.tree_digest:
+    raise ValueError("the tree digest does not match the leaves")
+  scalar_leaves = {i for i, s in enumerate(m.leaves) if s.kind is LeafKind.SCALAR}
+  if set(m.scalars) != scalar_leaves:
+    raise ValueError(f"scalar entries {sorted(m.scalars)} are not the scalar leaves "
+                     f"{sorted(scalar_leaves)}")
+  for k, v in m.scalars.items():
+    check_scalar(m.leaves[k].path, v)
+  by_leaf: dict[int, list[Index]] = {}
+  for p in m.pieces:
+    if p.leaf >= len(m.leaves) or m.leaves[p.leaf].kind is LeafKind.SCALAR:
+      raise ValueError(f"a piece names leaf {p.leaf}, which holds no array")
+    spec = m.leaves[p.leaf]
+    if len(p.index) != len(spec.shape) or any(
+        not a <= b <= d for (a, b), d in zip(p.index, spec.shape)):
+      raise ValueError(f"piece index {p.index} outside leaf shape {spec.shape}")
+    if p.nbytes != index_nbytes(p.index, spec.np_dtype.itemsize):
+      raise ValueError(f"piece {p.index} of {spec.path!r} claims {p.nbytes} bytes")
+    want = (2 if p.kind is ChecksumKind.DEVICE_SUM
+            else max(1, -(-p.nbytes // m.chunk_bytes)))
+    if len(p.checksum) != want:
+      raise ValueError(f"piece {p.index} of {spec.path!r} has {len(p.checksum)} "
+                       f"checksum values, {p.kind.value} needs {want}")
+    by_leaf.setdefault(p.leaf, []).append(p.index)
+  for leaf, indices in by_leaf.items():
+    if len(set(indices)) != len(indices) or not disjoint(indices):
+      raise ValueError(f"pieces of leaf {m.leaves[leaf].path!r} overlap")
 
 
 def write_atomic(path: os.PathLike[str] | str, data: bytes, *,
                  before_rename: Callable[[], None] | None = None) -> None:
   """Writes ``data`` to ``path`` via a 0600 temp file and a rename."""
   tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
-  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+  try:
+    os.unlink(tmp)  # left by an earlier process of this pid
+  except FileNotFoundError:
+    pass
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
   try:
     view = memoryview(data)
     while view:

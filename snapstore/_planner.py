@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from . import errors
-from ._index import Index, full, volume
+from ._index import Index, full, tiles, volume
 from ._layout import LeafKind, LeafSpec
 from ._manifest import Manifest, PieceRecord
 
@@ -94,6 +94,13 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
       reasons.append(f"step {step}: hosts disagree on the tree structure")
     return None
   ref = ms[0]
+  if any((m.leaves, m.scalars, m.extra, m.chunk_bytes) !=
+         (ref.leaves, ref.scalars, ref.extra, ref.chunk_bytes) for m in ms[1:]):
+    why = f"step {step}: hosts disagree on the leaves, scalars or extra"
+    logger.warning(why)
+    if reasons is not None:
+      reasons.append(why)
+    return None
   copies: dict[tuple[int, Index], list[Copy]] = collections.defaultdict(list)
   for m in sorted(ms, key=lambda m: (m.host != prefer_store, m.host)):
     slot_bytes = max((p.offset + p.nbytes for p in m.pieces), default=0)
@@ -104,11 +111,12 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
   for leaf, spec in enumerate(ref.leaves):
     if spec.kind is LeafKind.SCALAR:
       continue
-    have = sum(volume(idx) for (lf, idx) in copies if lf == leaf)
-    want = volume(full(spec.shape))
-    if have != want:
+    indices = [idx for (lf, idx) in copies if lf == leaf]
+    if not tiles(indices, spec.shape):
+      have = sum(volume(idx) for idx in indices)
       why = (f"step {step}: leaf {spec.path!r} has no complete set of surviving copies "
-             f"({have} of {want} elements)")
+             f"(pieces cover {have} of {volume(full(spec.shape))} elements, "
+             "or overlap)")
       logger.info(why)
       if reasons is not None:
         reasons.append(why)

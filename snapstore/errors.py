@@ -53,3 +53,26 @@ class DrainFailedError(SnapstoreError, RuntimeError):
 
 #: The name of :class:`DrainFailedError` before 0.2 (kept as an alias).
 SnapshotInProgressError = DrainFailedError
+
+
+class UnsupportedLeafError(SnapstoreError, TypeError):
+  """``save`` was given a leaf that a restore could not read back (a dtype
+  outside the supported set, a scalar msgpack cannot carry). Names the leaf.
+
+  Attributes:
+    leaf: the key path of the leaf.
+  """
+
+  def __init__(self, message: str, *, leaf: str):
+    super().__init__(message)
+    self.leaf = leaf
+
+
+class StoreError(SnapstoreError, OSError):
+  """The snapshot store cannot be written (read-only, full, or refused).
+  What it holds is untouched and still restorable."""
+
+
+class UnsafeStoreError(StoreError):
+  """The store or run directory is not safe to use: a symlink, not owned by
+  this user, or writable by others. Nothing was read or changed."""

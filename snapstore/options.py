@@ -77,34 +77,35 @@ class SnapshotOptions:
   pinned_checksum: str = "auto"
 
   def __post_init__(self):
-    _positive("interval", self.interval)
-    _positive("keep", self.keep)
-    _positive("copy_threads", self.copy_threads)
-    if self.chunk_bytes < 4096 or self.chunk_bytes % 4096:
+    _int_option("interval", self.interval, 1)
+    _int_option("keep", self.keep, 1)
+    _int_option("copy_threads", self.copy_threads, 1)
+    _int_option("chunk_bytes", self.chunk_bytes, 4096)
+    if self.chunk_bytes % 4096:
       raise ValueError(
           f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
-    if self.budget_bytes is not None and self.budget_bytes <= 0:
-      raise ValueError(f"budget_bytes must be positive or None, got {self.budget_bytes}")
-    if self.persistent_interval < 0:
-      raise ValueError(
-          f"persistent_interval must be >= 0 (0 disables), got {self.persistent_interval}")
+    if self.budget_bytes is not None:
+      _int_option("budget_bytes", self.budget_bytes, 1, "or None")
+    _int_option("persistent_interval", self.persistent_interval, 0, "(0 disables)")
+    _int_option("replicas", self.replicas, 0)
+    if self.hosts_per_domain is not None:
+      _int_option("hosts_per_domain", self.hosts_per_domain, 1, "or None")
+    if self.incarnation is not None:
+      _int_option("incarnation", self.incarnation, 0, "or None")
     if not isinstance(self.busy_policy, BusyPolicy):
       raise TypeError(f"busy_policy must be a BusyPolicy, got {self.busy_policy!r}")
-    if not _RUN_ID_RE.match(self.run_id):
+    if not isinstance(self.store, StoreKind):
+      raise TypeError(f"store must be a StoreKind, got {self.store!r}")
+    if not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id) or \
+        self.run_id in (".", ".."):
       raise ValueError(
-          f"run_id must match {_RUN_ID_RE.pattern} (it names a directory), "
-          f"got {self.run_id!r}")
-    if self.replicas < 0:
-      raise ValueError(f"replicas must be >= 0, got {self.replicas}")
-    if self.hosts_per_domain is not None:
-      _positive("hosts_per_domain", self.hosts_per_domain)
+          f"run_id must be one path component matching {_RUN_ID_RE.pattern}, not "
+          f"'.' or '..' (it names a directory), got {self.run_id!r}")
+    if not isinstance(self.store_dir, (str, os.PathLike)) or not os.fspath(self.store_dir):
+      raise ValueError(f"store_dir must be a non-empty path, got {self.store_dir!r}")
     if self.pinned_checksum not in ("auto", "host", "device"):
       raise ValueError(
           f"pinned_checksum is 'auto', 'host' or 'device', got {self.pinned_checksum!r}")
-    if not isinstance(self.store, StoreKind):
-      raise TypeError(f"store must be a StoreKind, got {self.store!r}")
-    if self.incarnation is not None and self.incarnation < 0:
-      raise ValueError(f"incarnation must be >= 0, got {self.incarnation}")
 
   def should_snapshot(self, step: int) -> bool:
     return step % self.interval == 0
@@ -113,6 +114,10 @@ class SnapshotOptions:
     return self.persistent_interval > 0 and step % self.persistent_interval == 0
 
 
-def _positive(name: str, value: int) -> None:
-  if not isinstance(value, int) or value <= 0:
-    raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _int_option(name: str, value: object, minimum: int, also: str = "") -> None:
+  """Raises (naming the option) unless ``value`` is an int >= ``minimum``
+  (bool and float are refused: ``interval=True`` is a mistake)."""
+  if type(value) is not int or value < minimum:
+    kind = TypeError if type(value) is not int else ValueError
+    raise kind(f"{name} must be an int >= {minimum}{' ' + also if also else ''}, "
+               f"got {value!r}")

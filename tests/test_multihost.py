@@ -195,7 +195,7 @@ def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_
     stale = host_dir(job_store, "job", 1)
     shutil.copytree(host_dir(job_store, "job", 0), stale, dirs_exist_ok=True)
     for step, m in _manifests(job_store, 0).items():
-      (stale / f"step-{step:010d}.manifest").write_bytes(
+      (stale / f"step-{step:010d}-inc{m.incarnation}.manifest").write_bytes(
           encode(dataclasses.replace(m, run_id="old", host=1)))
 
   job = Job(tmp_path, cache_dir, "corrupt")

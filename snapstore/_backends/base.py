@@ -66,7 +66,7 @@ class Store(Protocol):
 
   def manifests(self) -> list[Manifest]: ...
 
-  def delete(self, step: int, reason: str) -> None: ...
+  def delete(self, manifest: Manifest, reason: str) -> None: ...
 
 
 class Backend(PieceSource, Protocol):
@@ -115,7 +115,7 @@ def retain(store: Store, keep: int) -> None:
   - 1`` kept, so one slot stays free for the next snapshot)."""
   keep = min(keep, max(store.num_slots - 1, 1))
   for m, why in _planner.retention(store.manifests(), keep):
-    store.delete(m.step, why)
+    store.delete(m, why)
 
 
 def progress_of(stores: Sequence[Any]) -> tuple[int, int]:

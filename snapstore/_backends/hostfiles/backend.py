@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import ChecksumKind, crc_matches
+from ..._checksum import ChecksumKind, crc_matches, piece_key
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
 from ..._manifest import Manifest, PieceRecord
@@ -79,8 +79,7 @@ class HostFilesBackend(DomainStores):
     jobs = []
     for sid, cap in caps.items():
       store = self.stores[sid]
-      store.plan_slots(cap.nbytes)
-      jobs.append((store, cap, store.take_slot(header.step)))
+      jobs.append((store, cap, store.reserve(header.step, cap.nbytes)))
     return _Pending(header, jobs)
 
   def drain(self, pending: _Pending) -> int:
@@ -109,7 +108,8 @@ class HostFilesBackend(DomainStores):
       raise BadCopy(copy.key(plan.step), spec.path, why=f"unreadable ({e})") from e
     raw = buf[rec.offset: rec.offset + rec.nbytes]
     if rec.kind is not ChecksumKind.CRC32C or not crc_matches(
-        raw, rec.checksum, chunk_bytes=plan.chunk_bytes, pool=self._pool):
+        raw, rec.checksum, chunk_bytes=plan.chunk_bytes,
+        key=piece_key(spec.path, rec.index), pool=self._pool):
       raise BadCopy(copy.key(plan.step), spec.path)
     return raw.view(spec.np_dtype).reshape(shape_of(rec.index))
 

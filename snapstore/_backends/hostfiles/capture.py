@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from ... import _faults
+from ..._checksum import chunk_seed, piece_key
 from ..._index import align, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches
 from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
@@ -196,12 +197,13 @@ def layout_offsets(pieces: Sequence[Piece]) -> list[int]:
 def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
           pool: futures.Executor, chunk_bytes: int) -> list[tuple[int, ...]]:
   """Copies every piece into ``dst`` at ``offsets``; returns each piece's
-  crc32c per chunk (``ChecksumKind.CRC32C``), computed while it is hot."""
+  crc32c per chunk (``ChecksumKind.CRC32C``, seeded by :func:`piece_key`),
+  computed while it is hot in cache."""
 
-  def copy_chunk(src: np.ndarray, at: int, a: int, b: int) -> int:
+  def copy_chunk(src: np.ndarray, at: int, a: int, b: int, seed: int) -> int:
     out = dst[at + a: at + b]
     np.copyto(out, src[a:b])
-    return crc32c.crc32c(out)
+    return crc32c.crc32c(out, seed)
 
   jobs = []
   for source, piece, at in zip(cap.sources, cap.pieces, offsets):
@@ -209,7 +211,9 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
     if src.nbytes != piece.nbytes:
       raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, "
                        f"expected {piece.nbytes}")
-    jobs.append([pool.submit(copy_chunk, src, at, a, min(a + chunk_bytes, src.nbytes))
+    key = piece_key(cap.specs[piece.leaf].path, piece.index)
+    jobs.append([pool.submit(copy_chunk, src, at, a, min(a + chunk_bytes, src.nbytes),
+                             chunk_seed(key, a // chunk_bytes))
                  for a in range(0, max(src.nbytes, 1), chunk_bytes)])
   crcs = [tuple(f.result() for f in fs) for fs in jobs]
   cap.release()

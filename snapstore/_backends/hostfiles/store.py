@@ -2,25 +2,36 @@
 
 Layout of one host's store (``<store_dir>/<run_id>/host-<h>/``, mode 0700)::
 
-  slot-<i>.bin             preallocated, reused data files (mode 0600)
-  step-<step>.manifest     msgpack manifest naming the slot it lives in
-  PROGRESS                 newest step this host was asked to save
+  slot-<i>.bin                       preallocated, reused data files (mode 0600)
+  step-<step>-inc<inc>.manifest      msgpack manifest naming the slot it lives in
+  PROGRESS                           newest step this host was asked to save
 
 The files outlive the trainer process (a tmpfs has no resource tracker that
 deletes them when the writer dies). A slot is reused only after its manifest
 is deleted, so a torn write can never be read as a snapshot. Slots are
 touched once when created: first-touch page faults would otherwise cut copy
 speed by ~3x.
+
+Safety: the run and host directories must be ours (owner, no symlink, not
+writable by others) or the store is refused before anything is touched;
+nothing under them is opened through a symlink (``O_NOFOLLOW``) and only
+regular files are read (a FIFO or a directory in a slot's place is
+corruption). A slot file is never resized in place: a state of a new size
+gets new slot files while the complete snapshots in the old ones stay until
+the new one is committed, and no mapping of ours can outlive its file's
+length by our own doing.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import logging
 import mmap
 import os
 import re
 import shutil
-from collections.abc import Callable
+import stat
 from pathlib import Path
 
 import msgpack
@@ -28,20 +39,80 @@ import numpy as np
 
 from ... import _faults, _planner, errors
 from ..._index import align
-from ..._manifest import Manifest, decode, encode, write_atomic
+from ..._manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode, write_atomic
 from ..base import NO_PROGRESS
 
 logger = logging.getLogger(__name__)
 
-_MANIFEST_RE = re.compile(r"^step-(\d{10})\.manifest$")
+_MANIFEST_RE = re.compile(r"^step-(\d{10})-inc(\d{1,19})\.manifest$")
+_SLOT_RE = re.compile(r"^slot-(\d{1,9})\.bin$")
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 def host_dir(store_dir: os.PathLike[str] | str, run_id: str, host: int) -> Path:
   return Path(store_dir) / run_id / f"host-{host}"
 
 
+def secure_dir(path: Path, *, create: bool, shared_ok: bool = False) -> None:
+  """Creates ``path`` (0700) if missing; raises UnsafeStoreError, touching
+  nothing, if it is a symlink, not a directory, not ours, or writable by
+  others. ``shared_ok``: a root-owned sticky directory is fine (``/dev/shm``)."""
+  try:
+    st = os.lstat(path)
+  except FileNotFoundError:
+    if not create:
+      raise
+    try:
+      os.mkdir(path, 0o700)
+    except FileExistsError:
+      pass
+    st = os.lstat(path)
+  why = None
+  sticky = bool(st.st_mode & stat.S_ISVTX)
+  if stat.S_ISLNK(st.st_mode):
+    why = "is a symlink"
+  elif not stat.S_ISDIR(st.st_mode):
+    why = "is not a directory"
+  elif st.st_uid != os.getuid() and not (shared_ok and st.st_uid == 0 and sticky):
+    why = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+  elif st.st_mode & 0o022 and not (shared_ok and sticky):
+    why = f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+  if why:
+    raise errors.UnsafeStoreError(
+        f"refusing the snapshot store: {path} {why}. Nothing was read or changed; use a "
+        "store_dir of your own (mode 0700), or remove what is there.")
+
+
+def open_regular(path: Path, flags: int = _READ, mode: int = 0o600) -> int:
+  """An fd of ``path`` opened without following a symlink (and without
+  blocking on a FIFO); raises CorruptSnapshotError unless a regular file."""
+  fd = os.open(path, flags, mode)
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise errors.CorruptSnapshotError(f"{path} is not a regular file")
+  return fd
+
+
+def read_small(path: Path, limit: int) -> bytes:
+  fd = open_regular(path)
+  try:
+    size = os.fstat(fd).st_size
+    if size > limit:
+      raise errors.CorruptSnapshotError(f"{path}: {size} bytes exceeds the limit of {limit}")
+    chunks, left = [], size
+    while left > 0:
+      got = os.read(fd, left)
+      if not got:
+        break
+      chunks.append(got)
+      left -= len(got)
+    return b"".join(chunks)
+  finally:
+    os.close(fd)
+
+
 class HostStore:
-  """One host's slots and manifests. Not thread-safe: the manager serializes."""
+  """One host's slots and manifests. Not thread-safe: the backend serializes."""
 
   def __init__(self, root: os.PathLike[str] | str, *, run_id: str, host: int,
                keep: int, budget_bytes: int | None):
@@ -50,159 +121,195 @@ class HostStore:
     self.host = host
     self.keep = keep
     self.budget_bytes = budget_bytes
-    self._slot_bytes = 0
-    self._num_slots = 0
+    self.num_slots = keep + 1
     self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+    self._inodes: dict[int, int] = {}  # slot -> inode of the file we mapped
     # path -> ((mtime_ns, size, ino), manifest): decode each file version once.
     self._decoded: dict[Path, tuple[tuple[int, int, int], Manifest]] = {}
-    for d in (self.root.parent.parent, self.root.parent, self.root):
-      d.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(self.root.parent, 0o700)
-    os.chmod(self.root, 0o700)
-    for tmp in self.root.glob("*.tmp.*"):  # a writer died before its rename.
-      logger.info("removing %s: an interrupted write", tmp)
-      tmp.unlink(missing_ok=True)
+    secure_dir(self.root.parent.parent, create=True, shared_ok=True)
+    secure_dir(self.root.parent, create=True)
+    secure_dir(self.root, create=True)
+    for entry in os.scandir(self.root):  # a writer died before its rename.
+      if ".tmp." in entry.name and entry.is_file(follow_symlinks=False):
+        try:
+          os.unlink(entry.path)
+          logger.info("removed %s: an interrupted write", entry.path)
+        except OSError as e:  # a read-only store still restores
+          logger.info("cannot remove %s (%s)", entry.path, e)
 
   # ---------------------------------------------------------------- slots
-  @property
-  def num_slots(self) -> int:
-    return self._num_slots
-
-  def plan_slots(self, snapshot_bytes: int) -> int:
-    """Sizes the slots for snapshots of ``snapshot_bytes``; raises if over budget.
-
-    Slots = min(keep + 1, budget // size): one slot is written while the
-    newest complete snapshots stay readable in the others.
-    """
-    size = align(max(snapshot_bytes, 1))
-    if size == self._slot_bytes and self._num_slots:
-      return self._num_slots
-    want = _planner.slot_count(size, keep=self.keep, budget_bytes=self.budget_bytes,
-                               where=f"the host store of host {self.host}")
-    existing = sum(p.stat().st_size for p in self.root.glob("slot-*.bin"))
-    free = shutil.disk_usage(self.root).free + existing
-    if want * size > free:
-      raise errors.BudgetExceededError(
-          f"{want} slots of {size} bytes do not fit in the {free} free bytes of "
-          f"{self.root}: lower keep, set budget_bytes, or free the RAM disk.")
-    self._close_maps()
-    for i in range(want):
-      path = self._slot_path(i)
-      if path.exists() and path.stat().st_size != size:
-        self._drop_manifests(lambda m, i=i: m.slot == i, "slot resized")
-    self._slot_bytes, self._num_slots = size, want
-    for i in range(want):
-      self._map(i)
-    for path in self.root.glob("slot-*.bin"):  # slots beyond the new count
-      if int(path.stem.split("-")[1]) >= want:
-        self._drop_manifests(lambda m, p=path: m.slot == int(p.stem.split("-")[1]),
-                             "slot count reduced")
-        path.unlink(missing_ok=True)
-    return want
-
   def _slot_path(self, i: int) -> Path:
     return self.root / f"slot-{i}.bin"
 
-  def _map(self, i: int) -> np.ndarray:
-    if i in self._maps:
-      return self._maps[i][1]
-    path = self._slot_path(i)
-    fresh = not path.exists() or path.stat().st_size != self._slot_bytes
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+  def _slot_sizes(self) -> dict[int, int]:
+    """slot -> file size, for the regular slot files here (others ignored)."""
+    out = {}
+    for entry in os.scandir(self.root):
+      m = _SLOT_RE.match(entry.name)
+      if m and entry.is_file(follow_symlinks=False):
+        out[int(m.group(1))] = entry.stat(follow_symlinks=False).st_size
+      elif m:
+        logger.warning("ignoring %s: not a regular file", entry.path)
+    return out
+
+  def reserve(self, step: int, snapshot_bytes: int) -> int:
+    """A slot of the right size for ``step``'s snapshot: a free one, else a
+    new file; the oldest snapshots are evicted while the store would exceed
+    ``keep + 1`` slots or the byte budget, never the newest complete one.
+    Raises BudgetExceededError (before deleting anything) if the budget
+    cannot hold the newest complete snapshot and this one, StoreError if the
+    store cannot be written."""
+    size = align(max(snapshot_bytes, 1))
+    self.num_slots = _planner.slot_count(size, keep=self.keep, budget_bytes=self.budget_bytes,
+                                         where=f"the host store of host {self.host}")
+    valid = sorted(_planner.fence(self.manifests()), key=lambda m: m.step)
+    sizes = self._slot_sizes()
+    used = {m.slot for m in valid}
+
+    def over() -> bool:
+      kept = sum(sizes.get(m.slot, 0) for m in valid)
+      return len({m.slot for m in valid}) + 1 > self.num_slots or (
+          self.budget_bytes is not None and kept + size > self.budget_bytes)
+    if valid and over() and not self._fits_after_eviction(valid[-1], sizes, size):
+      raise errors.BudgetExceededError(
+          f"host {self.host}: the budget of {self.budget_bytes} bytes cannot hold the "
+          f"newest complete snapshot (step {valid[-1].step}) and one of {size} bytes; "
+          "nothing was deleted. Raise budget_bytes.")
+    while valid and over():
+      oldest = valid.pop(0)
+      self.delete(oldest, f"evicted for step {step}")
+    used = {m.slot for m in valid}
+    for m in self.manifests():  # stale manifests naming a slot we may reuse
+      if m.slot not in used:
+        self.delete(m, f"slot {m.slot} reused for step {step}")
+    free = [i for i in sorted(sizes) if i not in used]
+    slot = next((i for i in free if sizes[i] == size), None)
     try:
-      if fresh:
-        os.ftruncate(fd, self._slot_bytes)
-        os.posix_fallocate(fd, 0, self._slot_bytes)
-      mm = mmap.mmap(fd, self._slot_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+      for i in free:  # free slots of another size hold nothing: drop them
+        if i != slot:
+          self._unmap(i)
+          os.unlink(self._slot_path(i))
+      if slot is None:  # the lowest number with no file (of any type) of that name
+        slot = next(i for i in itertools.count()
+                    if i not in used and not os.path.lexists(self._slot_path(i)))
+        self._create_slot(slot, size)
+    except OSError as e:
+      raise errors.StoreError(f"host {self.host}: cannot write {self.root} ({e})") from e
+    return slot
+
+  def _fits_after_eviction(self, newest: Manifest, sizes: dict[int, int], size: int) -> bool:
+    if self.budget_bytes is None:
+      return True
+    return sizes.get(newest.slot, 0) + size <= self.budget_bytes
+
+  def _create_slot(self, i: int, size: int) -> None:
+    free = shutil.disk_usage(self.root).free
+    if size > free:
+      raise errors.BudgetExceededError(
+          f"a slot of {size} bytes does not fit in the {free} free bytes of "
+          f"{self.root}: lower keep, set budget_bytes, or free the RAM disk.")
+    fd = open_regular(self._slot_path(i),
+                      os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+      os.ftruncate(fd, size)
+      os.posix_fallocate(fd, 0, size)
+      mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
       os.close(fd)
     arr = np.frombuffer(mm, dtype=np.uint8)
-    if fresh:
-      arr[:] = 0  # first touch here, not in the hot path.
+    arr[:] = 0  # first touch here, not in the hot path.
     self._maps[i] = (mm, arr)
-    return arr
+    self._inodes[i] = os.lstat(self._slot_path(i)).st_ino
 
   def slot_buffer(self, slot: int) -> np.ndarray:
-    """The writable bytes of ``slot`` (the caller deletes its manifest first)."""
-    return self._map(slot)
+    """The writable bytes of ``slot`` (reserved by :meth:`reserve`)."""
+    if slot not in self._maps:
+      fd = open_regular(self._slot_path(slot), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+      try:
+        st = os.fstat(fd)
+        mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+      finally:
+        os.close(fd)
+      self._maps[slot] = (mm, np.frombuffer(mm, dtype=np.uint8))
+      self._inodes[slot] = st.st_ino
+    return self._maps[slot][1]
 
   def read_buffer(self, slot: int, size: int) -> np.ndarray:
-    """Read-only bytes of ``slot`` (maps it if this process did not write it)."""
-    if slot in self._maps:
-      view = self._maps[slot][1][:size]
-    else:
-      path = self._slot_path(slot)
-      with open(path, "rb") as f:
-        length = os.fstat(f.fileno()).st_size
-        if length < size:
-          raise errors.CorruptSnapshotError(
-              f"{path} has {length} bytes, the manifest needs {size}")
-        mm = mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ)
-      view = np.frombuffer(mm, dtype=np.uint8)[:size]
+    """Read-only bytes of ``slot``; CorruptSnapshotError if the file is now
+    shorter than ``size`` or not a regular file. Checked on every read, also
+    where this process holds a mapping (a file shrunk behind a mapping would
+    raise SIGBUS on access)."""
+    fd = open_regular(self._slot_path(slot))
+    try:
+      st = os.fstat(fd)
+      if st.st_size < size:
+        raise errors.CorruptSnapshotError(
+            f"{self._slot_path(slot)} has {st.st_size} bytes, the manifest needs {size}")
+      mine = self._maps.get(slot)
+      if mine is not None and self._inodes.get(slot) == st.st_ino and mine[1].nbytes >= size:
+        view = mine[1][:size]
+      else:
+        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+        view = np.frombuffer(mm, dtype=np.uint8)[:size]
+    finally:
+      os.close(fd)
     out = view.view()
     out.flags.writeable = False
     return out
 
-  def take_slot(self, step: int) -> int:
-    """A slot for the snapshot of ``step``: a free one, else the oldest
-    snapshot's (evicted); any stale manifest naming it is deleted first."""
-    slot, evict = _planner.free_slot(self.manifests(), self._num_slots)
-    if evict is not None:
-      self.delete(evict.step, f"evicted to free a slot for step {step}")
-    self._drop_manifests(lambda m: m.slot == slot, f"slot {slot} reused for step {step}")
-    return slot
-
-  def _close_maps(self) -> None:
-    self._maps.clear()  # mmaps close when the last numpy view is gone.
+  def _unmap(self, slot: int) -> None:
+    self._maps.pop(slot, None)  # the mmap closes when the last numpy view is gone.
 
   def close(self) -> None:
-    self._close_maps()
+    self._maps.clear()
 
   def wipe(self) -> None:
     """Deletes every manifest, slot and the PROGRESS file (the memory of a
     lost host); the store stays usable and starts empty."""
-    self._close_maps()
-    for path in self.root.iterdir():
-      if path.is_file():
-        path.unlink(missing_ok=True)
+    self._maps.clear()
+    for entry in os.scandir(self.root):
+      if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+        os.unlink(entry.path)
     self._decoded.clear()
-    self._slot_bytes = self._num_slots = 0
 
   # ------------------------------------------------------------ manifests
-  def manifest_path(self, step: int) -> Path:
-    return self.root / f"step-{step:010d}.manifest"
+  def manifest_path(self, step: int, incarnation: int) -> Path:
+    return self.root / f"step-{step:010d}-inc{incarnation}.manifest"
 
   def commit(self, manifest: Manifest) -> None:
-    write_atomic(self.manifest_path(manifest.step), encode(manifest),
+    write_atomic(self.manifest_path(manifest.step, manifest.incarnation), encode(manifest),
                  before_rename=lambda: _faults.point("manifest", manifest.step))
 
-  def delete(self, step: int, reason: str) -> None:
-    logger.debug("host %d: deleting snapshot of step %d (%s)", self.host, step, reason)
-    self.manifest_path(step).unlink(missing_ok=True)
-
-  def _drop_manifests(self, pred: Callable[[Manifest], bool], reason: str) -> None:
-    for m in self.manifests():
-      if pred(m):
-        self.delete(m.step, reason)
+  def delete(self, manifest: Manifest, reason: str) -> None:
+    logger.debug("host %d: deleting snapshot of step %d (%s)", self.host, manifest.step,
+                 reason)
+    try:
+      os.unlink(self.manifest_path(manifest.step, manifest.incarnation))
+    except FileNotFoundError:
+      pass
 
   def manifests(self) -> list[Manifest]:
     """Valid manifests of this run on this host, oldest first.
 
-    Unreadable manifests and manifests of another run are skipped with a
-    logged reason (never deleted: they may be evidence).
+    A manifest that is unreadable, fails its checksum or validation, names
+    another run, host, step or incarnation than its file name, or whose slot
+    file is missing, is skipped with a logged reason (never deleted: it may
+    be evidence).
     """
     out = []
-    for path in sorted(self.root.iterdir()):
-      if not _MANIFEST_RE.match(path.name):
+    for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
+      named = _MANIFEST_RE.match(entry.name)
+      if not named:
         continue
+      path = Path(entry.path)
       try:
-        st = path.stat()
+        st = entry.stat(follow_symlinks=False)
         version = (st.st_mtime_ns, st.st_size, st.st_ino)
         cached = self._decoded.get(path)
         if cached is not None and cached[0] == version:
           m = cached[1]
         else:
-          m = decode(path.read_bytes(), what=str(path))
+          m = decode(read_small(path, MAX_MANIFEST_BYTES), what=str(path))
           self._decoded[path] = (version, m)
       except (errors.CorruptSnapshotError, OSError) as e:
         logger.warning("ignoring %s: %s", path, e)
@@ -211,19 +318,29 @@ class HostStore:
         logger.warning("ignoring %s: written by run %r, this is run %r",
                        path, m.run_id, self.run_id)
         continue
-      if m.host != self.host or int(_MANIFEST_RE.match(path.name).group(1)) != m.step:
-        logger.warning("ignoring %s: names host %d step %d", path, m.host, m.step)
+      if (m.host, m.step, m.incarnation) != (self.host, int(named[1]), int(named[2])):
+        logger.warning("ignoring %s: names host %d step %d incarnation %d", path, m.host,
+                       m.step, m.incarnation)
         continue
-      if not self._slot_path(m.slot).exists():
-        logger.warning("ignoring %s: its slot file is missing", path)
+      try:
+        slot_ok = stat.S_ISREG(os.lstat(self._slot_path(m.slot)).st_mode)
+      except OSError:
+        slot_ok = False
+      if not slot_ok:
+        logger.warning("ignoring %s: its slot file is missing or not a regular file", path)
         continue
       out.append(m)
     return sorted(out, key=lambda m: (m.step, m.incarnation))
 
   # ------------------------------------------------------------- progress
   def write_progress(self, step: int, incarnation: int) -> None:
-    write_atomic(self.root / "PROGRESS",
-                 msgpack.packb({"step": step, "incarnation": incarnation}))
+    try:
+      write_atomic(self.root / "PROGRESS",
+                   msgpack.packb({"step": step, "incarnation": incarnation}))
+    except OSError as e:
+      if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        raise
+      logger.debug("host %d: progress not written (%s)", self.host, e)
 
   def read_progress(self) -> tuple[int, int]:
     """(newest step asked to save, its incarnation); NO_PROGRESS if none."""
@@ -234,7 +351,12 @@ def read_progress(root: os.PathLike[str] | str) -> tuple[int, int]:
   """A host store's PROGRESS: (newest step asked to save, its incarnation),
   NO_PROGRESS if absent or unreadable. Reads only; safe from another process."""
   try:
-    doc = msgpack.unpackb((Path(root) / "PROGRESS").read_bytes()[:4096], raw=False)
-    return int(doc["step"]), int(doc["incarnation"])
-  except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException):
+    doc = msgpack.unpackb(read_small(Path(root) / "PROGRESS", 4096), raw=False)
+    step, inc = doc["step"], doc["incarnation"]
+    if type(step) is not int or type(inc) is not int or not (
+        0 <= step < 2**62 and 0 <= inc < 2**62):
+      return NO_PROGRESS
+    return step, inc
+  except (OSError, ValueError, KeyError, TypeError, errors.SnapstoreError,
+          msgpack.UnpackException):
     return NO_PROGRESS

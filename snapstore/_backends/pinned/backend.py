@@ -25,7 +25,7 @@ from jax.sharding import SingleDeviceSharding
 
 from ..._assemble import Assembler, BadCopy
 from ..._checksum import (ChecksumKind, as_checksum, crc_chunks, crc_matches,
-                          device_checksum, shard_checksums)
+                          device_checksum, piece_key, shard_checksums)
 from ..._index import Index
 from ..._layout import LeafKind, LeafSpec
 from ..._manifest import Manifest, PieceRecord
@@ -82,8 +82,7 @@ class PinnedHostBackend(DomainStores):
 
     def make_room(nbytes: Mapping[int, int]) -> None:  # before any copy is made
       for sid, n in nbytes.items():
-        self.stores[sid].plan_slots(n)
-        slots[sid] = self.stores[sid].take_slot(header.step)
+        slots[sid] = self.stores[sid].reserve(header.step, n)
 
     live = {k: self._slices[k] for k in self.live()}
     cap = _capture.capture(specs, leaves, slices=live, replicas=self.options.replicas,
@@ -116,12 +115,15 @@ class PinnedHostBackend(DomainStores):
     spec = plan.specs[copy.record.leaf]
     rec = copy.record
     holder = f"slice {copy.store}"
+    key = piece_key(spec.path, rec.index)
     try:
       stored = self._stored(copy)
       if isinstance(stored, np.ndarray):
-        ok, got = crc_matches(stored, rec.checksum, chunk_bytes=plan.chunk_bytes), stored
+        ok = crc_matches(stored, rec.checksum, chunk_bytes=plan.chunk_bytes, key=key)
+        got = stored
       elif rec.kind is ChecksumKind.CRC32C:  # crc32c of the pinned buffer, in place
-        ok = crc_matches(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes)
+        ok = crc_matches(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes,
+                         key=key)
         got = jax.device_put(stored, SingleDeviceSharding(device or device_of(stored)))
       else:
         got = jax.device_put(stored, SingleDeviceSharding(device or device_of(stored)))
@@ -161,7 +163,8 @@ class PinnedHostBackend(DomainStores):
     try:
       # crc32c in place on the pool while this thread puts the leaf back.
       in_place = [(c, self._pool.submit(crc_chunks, np.asarray(st),
-                                        chunk_bytes=plan.chunk_bytes))
+                                        chunk_bytes=plan.chunk_bytes,
+                                        key=piece_key(spec.path, c.record.index)))
                   for c, st in picks if c.record.kind is ChecksumKind.CRC32C]
       pinned = jax.make_array_from_single_device_arrays(
           spec.shape, sharding.with_memory_kind(PINNED), [st for _, st in picks])

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from ... import _faults
 from ..._checksum import (Checksum, ChecksumKind, as_checksum, crc_chunks, device_checksum,
-                          shard_checksums)
+                          piece_key, shard_checksums)
 from ..._index import Index, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece
 from ..._placement import holders_by_domain, ring_keepers
@@ -80,7 +80,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     elif spec.kind is LeafKind.NUMPY:
       data = np.array(leaf, copy=True)  # the caller may mutate it
       index = tuple((0, n) for n in data.shape)
-      ck = crc_chunks(data, chunk_bytes=chunk_bytes)
+      ck = crc_chunks(data, chunk_bytes=chunk_bytes, key=piece_key(spec.path, index))
       cap.sums[(i, index)] = lambda c=ck: c
       cap.kinds[(i, index)] = ChecksumKind.CRC32C
       for k in ring.order:
@@ -107,7 +107,8 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       d = first[index]
       cap.kinds[(i, index)] = checksum
       cap.sums[(i, index)] = (_pending_sum(src, per_shard) if on_device
-                              else _host_sum(cap, d, slot[(i, index, d)], chunk_bytes))
+                              else _host_sum(cap, d, slot[(i, index, d)], chunk_bytes,
+                                             piece_key(specs[i].path, index)))
   return cap
 
 
@@ -218,8 +219,8 @@ def _ring_sharding(sharding: jax.sharding.Sharding, ring: _Ring, k: int
   return NamedSharding(mesh, sharding.spec, memory_kind=PINNED)
 
 
-def _host_sum(cap: PinnedCapture, domain: int, position: int, chunk_bytes: int
-              ) -> Callable[[], Checksum]:
+def _host_sum(cap: PinnedCapture, domain: int, position: int, chunk_bytes: int,
+              key: bytes) -> Callable[[], Checksum]:
   """crc32c of a piece's first pinned copy, once it has landed (memoized)."""
   memo: list[Checksum] = []
   lock = threading.Lock()  # copies of one piece in several domains share it
@@ -228,7 +229,7 @@ def _host_sum(cap: PinnedCapture, domain: int, position: int, chunk_bytes: int
     with lock:
       if not memo:
         memo.append(crc_chunks(np.asarray(cap.arrays[domain][position]),
-                               chunk_bytes=chunk_bytes))
+                               chunk_bytes=chunk_bytes, key=key))
       return memo[0]
   return get
 

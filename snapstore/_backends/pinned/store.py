@@ -41,7 +41,7 @@ class PinnedHostStore:
     self.host = domain  # manifests name their store by this id
     self.keep = keep
     self.budget_bytes = budget_bytes
-    self._manifests: dict[int, Manifest] = {}  # step -> manifest
+    self._manifests: dict[tuple[int, int], Manifest] = {}  # (step, incarnation) ->
     self._slots: dict[int, list[Stored]] = {}  # slot -> its arrays
     self.num_slots = keep + 1
     self._progress = NO_PROGRESS
@@ -49,20 +49,18 @@ class PinnedHostStore:
   def __repr__(self) -> str:
     return f"pinned_host store of slice {self.host}"
 
-  def plan_slots(self, snapshot_bytes: int) -> int:
+  def reserve(self, step: int, snapshot_bytes: int) -> int:
+    """A slot for ``step``'s arrays, its previous contents freed (the oldest
+    snapshot is evicted when none is free). Raises BudgetExceededError
+    before freeing anything if the budget cannot hold two snapshots."""
     self.num_slots = _planner.slot_count(
         snapshot_bytes, keep=self.keep, budget_bytes=self.budget_bytes,
         where=f"the pinned host memory on slice {self.host}")
     for slot in [s for s in self._slots if s >= self.num_slots]:
       self._drop_slot(slot, "slot count reduced")
-    return self.num_slots
-
-  def take_slot(self, step: int) -> int:
-    """A slot for ``step``'s arrays, its previous contents freed (the oldest
-    snapshot is evicted when none is free)."""
     slot, evict = _planner.free_slot(self.manifests(), self.num_slots)
     if evict is not None:
-      self.delete(evict.step, f"evicted to free a slot for step {step}")
+      self.delete(evict, f"evicted to free a slot for step {step}")
     self._drop_slot(slot, f"slot {slot} reused for step {step}")
     return slot
 
@@ -74,26 +72,27 @@ class PinnedHostStore:
 
   def commit(self, manifest: Manifest) -> None:
     _faults.point("manifest", manifest.step)
-    self._manifests[manifest.step] = manifest
+    self._manifests[(manifest.step, manifest.incarnation)] = manifest
 
   def manifests(self) -> list[Manifest]:
     return [self._manifests[s] for s in sorted(self._manifests)]
 
-  def delete(self, step: int, reason: str) -> None:
-    logger.debug("slice %d: dropping snapshot of step %d (%s)", self.host, step, reason)
-    m = self._manifests.pop(step, None)
+  def delete(self, manifest: Manifest, reason: str) -> None:
+    logger.debug("slice %d: dropping snapshot of step %d (%s)", self.host, manifest.step,
+                 reason)
+    m = self._manifests.pop((manifest.step, manifest.incarnation), None)
     if m is not None and not any(o.slot == m.slot for o in self._manifests.values()):
       _free(self._slots.pop(m.slot, ()))
 
   def _drop_slot(self, slot: int, reason: str) -> None:
     for m in [m for m in self._manifests.values() if m.slot == slot]:
-      self.delete(m.step, reason)
+      self.delete(m, reason)
     _free(self._slots.pop(slot, ()))
 
   def wipe(self) -> None:
     """Forgets every snapshot (the domain's host memory is gone)."""
-    for step in list(self._manifests):
-      self.delete(step, "wiped")
+    for m in list(self._manifests.values()):
+      self.delete(m, "wiped")
     for slot in list(self._slots):
       _free(self._slots.pop(slot))
     self._progress = NO_PROGRESS
