@@ -12,6 +12,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 
+def pytest_addoption(parser):
+  parser.addoption("--long", action="store_true", default=False,
+                   help="long fuzz runs (thousands of cases)")
+
+
 @pytest.fixture
 def store_dir():
   """A fresh store directory on the RAM disk (falls back to /tmp)."""
