@@ -90,7 +90,8 @@ def _launch(args: argparse.Namespace) -> int:
     incs = launch(cmd[0], cmd[1:], num_hosts=args.hosts, devices_per_host=args.devices_per_host,
                   store_dir=args.store_dir, run_id=args.run_id, kills=args.kill,
                   shrink_to=args.shrink_to, max_incarnations=args.max_incarnations,
-                  timeout_s=args.timeout, log_dir=args.log_dir)
+                  timeout_s=args.timeout, log_dir=args.log_dir,
+                  bind_address=args.bind_address)
   except (RuntimeError, TimeoutError) as e:
     print(f"snapstore launch: {e}", file=sys.stderr)
     return 1
@@ -144,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   la.add_argument("--max-incarnations", type=int, default=3)
   la.add_argument("--timeout", type=float, default=600.0)
   la.add_argument("--log-dir", default=None)
+  la.add_argument("--bind-address", default="127.0.0.1",
+                  help="where the JAX coordination service listens (loopback by default; "
+                       "a cluster-facing address for real clusters)")
   la.add_argument("--json", default=None, help="write the incarnation report here")
   la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
   la.set_defaults(fn=_launch)

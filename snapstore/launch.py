@@ -77,6 +77,7 @@ class Incarnation:
   killed: list[int] = dataclasses.field(default_factory=list)
   kill_time: float | None = None
   restore: dict[str, Any] | None = None  # host 0's RestoreResult.summary()
+  digests: dict[str, str] = dataclasses.field(default_factory=dict)  # step -> state digest
 
   @property
   def ok(self) -> bool:
@@ -112,6 +113,18 @@ def report_restore(summary: dict[str, Any], incarnation: int) -> None:
     write_atomic(Path(where) / f"restore-inc{incarnation}.json", json.dumps(doc).encode())
 
 
+def report_digest(step: int, digest: str, incarnation: int) -> None:
+  """Under :func:`launch`: host 0 records the global state's digest at
+  ``step``; the supervisor's report (``--json``) carries them per incarnation,
+  so runs can be compared bitwise from the command line."""
+  where = os.environ.get(REPORT_DIR_ENV)
+  if where:
+    path = Path(where) / f"digests-inc{incarnation}.json"
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    doc[str(step)] = digest
+    write_atomic(path, json.dumps(doc).encode())
+
+
 def init_from_env() -> tuple[int, int, int]:
   """In a process started by ``launch``: configures JAX for CPU (gloo, the
   given devices per host) and joins the job. Returns (host, hosts,
@@ -123,14 +136,19 @@ def init_from_env() -> tuple[int, int, int]:
   jax.config.update("jax_num_cpu_devices", int(env["SNAPSTORE_DEVICES_PER_HOST"]))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
-                             heartbeat_timeout_seconds=10)
+                             heartbeat_timeout_seconds=10,
+                             coordinator_bind_address=env.get("SNAPSTORE_COORDINATOR_BIND"))
   return host, num_hosts, int(env["SNAPSTORE_INCARNATION"])
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+def _reserve_port(host: str) -> socket.socket:
+  """A bound (not listening) socket on a free port of ``host``, held while
+  the job starts so no other program takes the port; ``SO_REUSEPORT`` lets
+  the coordination service (gRPC sets it too) bind the same port."""
+  s = socket.socket()
+  s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+  s.bind((host, 0))
+  return s
 
 
 def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host: int,
@@ -138,9 +156,15 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
            shrink_to: int | None = None, max_incarnations: int = 3,
            timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
            env: dict[str, str] | None = None,
-           between: Callable[[Incarnation], None] | None = None) -> list[Incarnation]:
+           between: Callable[[Incarnation], None] | None = None,
+           bind_address: str = "127.0.0.1") -> list[Incarnation]:
   """Runs ``python -m module args`` on ``num_hosts`` local processes until all
   exit 0, restarting the whole job after a failure.
+
+  The JAX coordination service listens on ``bind_address`` only (loopback
+  by default). A kill the supervisor cannot see happen (its host never
+  reports the step in ``store_dir``: is the worker's store elsewhere?) is an
+  error, not a silent no-op.
 
   ``shrink_to`` restarts with fewer hosts (the first ``shrink_to`` stores are
   kept). ``between(inc)`` runs after a failed incarnation, before the next
@@ -153,17 +177,22 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
   report_dir.mkdir(parents=True, exist_ok=True)
   for number in range(max_incarnations):
-    port = _free_port()
+    reservation = _reserve_port(bind_address)
+    port = reservation.getsockname()[1]
     inc = Incarnation(number, hosts, time.time())
     out.append(inc)
     report = report_dir / f"restore-inc{number}.json"
+    digests = report_dir / f"digests-inc{number}.json"
     report.unlink(missing_ok=True)
+    digests.unlink(missing_ok=True)
     pending = [k for k in kills if k.incarnation == number and k.host < hosts]
     armed = {k.host: k for k in pending if k.phase is not None}
     procs = {}
     for h in range(hosts):
       penv = dict(os.environ, **(env or {}))
-      penv.update(SNAPSTORE_COORDINATOR=f"127.0.0.1:{port}", SNAPSTORE_NUM_HOSTS=str(hosts),
+      penv.update(SNAPSTORE_COORDINATOR=f"{bind_address}:{port}",
+                  SNAPSTORE_COORDINATOR_BIND=f"{bind_address}:{port}",
+                  SNAPSTORE_NUM_HOSTS=str(hosts),
                   SNAPSTORE_HOST=str(h), SNAPSTORE_INCARNATION=str(number),
                   SNAPSTORE_DEVICES_PER_HOST=str(devices_per_host),
                   SNAPSTORE_REPORT_DIR=str(report_dir))
@@ -202,9 +231,18 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
           inc.exit_codes[h] = p.wait()
         break
       time.sleep(POLL_S)
+    reservation.close()
     inc.ended = time.time()
     if report.exists():
       inc.restore = json.loads(report.read_text())
+    if digests.exists():
+      inc.digests = json.loads(digests.read_text())
+    unseen = [k for k in pending if k.phase is None]
+    if not failed and unseen:
+      raise RuntimeError(
+          f"kill {unseen[0]} never fired: host {unseen[0].host} never reported step "
+          f"{unseen[0].step} in {host_dir(store_dir, run_id, unseen[0].host)}. Is that the "
+          "worker's store (--store-dir, --run-id), and does the job reach that step?")
     if not failed:
       return out
     if between is not None:
@@ -222,4 +260,8 @@ def _record_kill(inc: Incarnation, k: Kill, store_dir: str | os.PathLike[str],
   logger.info("incarnation %d: SIGKILL host %d at step %d%s", inc.number, k.host, k.step,
               f" ({k.phase})" if k.phase else "")
   if k.lose_store:
-    shutil.rmtree(host_dir(store_dir, run_id, k.host), ignore_errors=True)
+    where = host_dir(store_dir, run_id, k.host)
+    if not where.is_dir():
+      raise RuntimeError(f"{k}: cannot wipe host {k.host}'s store: {where} does not "
+                         "exist. Is that the worker's store (--store-dir, --run-id)?")
+    shutil.rmtree(where)

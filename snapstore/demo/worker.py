@@ -42,7 +42,7 @@ def main() -> int:
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
   a = p.parse_args()
-  from snapstore.launch import init_from_env  # noqa: PLC0415
+  from snapstore.launch import init_from_env, report_digest  # noqa: PLC0415
   host, _, inc = init_from_env()
   import numpy as np  # noqa: PLC0415
   from jax.experimental import multihost_utils  # noqa: PLC0415
@@ -53,12 +53,14 @@ def main() -> int:
 
   trainer = Trainer(ModelConfig())
 
-  def digest(state) -> str:
+  def digest(state, step: int) -> str:
     h = hashlib.sha256()
     for x in jax.tree.leaves(state):
       if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
       h.update(np.asarray(multihost_utils.process_allgather(x, tiled=True)).tobytes())
+    if host == 0:
+      report_digest(step, h.hexdigest(), inc)
     return h.hexdigest()
 
   opts = snapstore.SnapshotOptions(
@@ -80,7 +82,7 @@ def main() -> int:
       report["restore"] = r.summary()
       report["restore_end"] = time.time()
       if a.digest_restore:
-        report["digests"][r.step] = digest(state)
+        report["digests"][r.step] = digest(state, r.step)
     except snapstore.NothingToRestoreError:
       state, start = trainer.init_state(), 1
     write()
@@ -92,7 +94,7 @@ def main() -> int:
       mgr.save(s, state)
       report["times"][s] = time.time()
       if a.digest_every_step or s == a.steps:
-        report["digests"][s] = digest(state)
+        report["digests"][s] = digest(state, s)
       write()
     mgr.wait_until_finished()
   write()

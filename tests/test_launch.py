@@ -1,0 +1,31 @@
+"""``snapstore launch``: the coordination service on loopback only, and kill
+specs that cannot fire are errors (real processes, jax.distributed on CPU)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from snapstore.launch import Kill, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_the_coordination_service_listens_on_loopback_only(tmp_path, store_dir):
+  out = tmp_path / "listening.json"
+  incs = launch("tests._probe_worker", [str(out)], num_hosts=2, devices_per_host=1,
+                store_dir=store_dir, run_id="probe", timeout_s=120, env=ENV,
+                log_dir=tmp_path)
+  assert incs[-1].ok
+  assert json.loads(out.read_text()) == ["127.0.0.1"]
+
+
+def test_a_kill_whose_store_the_supervisor_cannot_see_is_an_error(tmp_path, store_dir):
+  worker_store = tmp_path / "the-workers-store"
+  with pytest.raises(RuntimeError, match="never fired"):
+    launch("snapstore.demo.worker", ["--steps", "3", "--out", str(tmp_path), "--store",
+                                     str(worker_store)],
+           num_hosts=2, devices_per_host=1, store_dir=store_dir, run_id="job",
+           kills=[Kill(host=1, step=2)], timeout_s=180, log_dir=tmp_path)
