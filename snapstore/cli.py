@@ -29,18 +29,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-  from ._backends.hostfiles.store import HostStore  # noqa: PLC0415
-  root = Path(args.store)
-  rows = []
-  for host_root in sorted(root.glob("host-*")) or [root]:
-    host = int(host_root.name.split("-")[1]) if host_root.name.startswith("host-") else 0
-    store = HostStore(host_root, run_id=args.run_id or root.name, host=host, keep=1,
-                      budget_bytes=None)
-    for m in store.manifests():
-      rows.append({"host": host, "step": m.step, "incarnation": m.incarnation,
-                   "slot": m.slot, "pieces": len(m.pieces), "bytes": m.data_bytes,
-                   "leaves": len(m.leaves), "tree_digest": m.tree_digest})
-  print(json.dumps(rows, indent=2))
+  from ._inspect import inspect_store  # noqa: PLC0415
+  try:
+    report = inspect_store(args.store, run_id=args.run_id, verify=args.verify)
+  except OSError as e:
+    print(f"snapstore inspect: cannot read {args.store}: {e}", file=sys.stderr)
+    return 1
+  print(json.dumps(report, indent=2))
   return 0
 
 
@@ -128,9 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   d.add_argument("--report", default="demo-report.json")
   d.add_argument("--plot", default="demo-timeline.png")
   d.set_defaults(fn=_demo)
-  i = sub.add_parser("inspect", help="list the snapshots in a store (<store_dir>/<run_id>)")
+  i = sub.add_parser("inspect", help="what a store (<store_dir>/<run_id>) holds: each "
+                     "manifest's verdict, the lineage, what restore would pick")
   i.add_argument("store")
-  i.add_argument("--run-id", default=None)
+  i.add_argument("--run-id", default=None, help="default: the store folder's name")
+  i.add_argument("--verify", action="store_true", help="re-check every piece's crc32c")
   i.set_defaults(fn=_inspect)
   la = sub.add_parser("launch", help="run a training module on N local host processes, "
                       "restart it on failure, inject SIGKILLs")

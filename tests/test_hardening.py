@@ -214,3 +214,39 @@ def test_a_manifest_with_a_huge_incarnation_is_ignored_and_saves_go_on(store_dir
     r = mgr.restore(abstract())
   assert r.step == 2
   assert_bitwise_equal(refs[2], r.state)
+
+
+# ---------------------------------------------------------------- inspect
+def test_inspect_gives_each_manifest_a_verdict_the_lineage_and_the_pick(store_dir, capsys):
+  import json
+
+  from snapstore import cli
+  with snapstore.SnapshotManager(opts(store_dir, keep=4)) as mgr:
+    save_steps(mgr, [1, 2, 3])
+    first = mgr.incarnation
+    root = host_root(mgr)
+    old3 = root / f"step-{3:010d}-inc{first}.manifest"
+    abandoned = old3.read_bytes()
+    mgr.restore(abstract(), step=2)  # a new branch from step 2
+    save_steps(mgr, [3])  # retention deletes the abandoned step 3 ...
+  old3.write_bytes(abandoned)  # ... which a zombie writes back
+  (path1,) = root.glob(f"step-{1:010d}-inc*.manifest")
+  path1.write_bytes(path1.read_bytes()[:-3])
+  slot = slot_of(root, 2)
+  with open(slot, "r+b") as f:
+    f.seek(5)
+    b = f.read(1)
+    f.seek(5)
+    f.write(bytes([b[0] ^ 1]))
+  assert cli.main(["inspect", str(store_dir / "hard"), "--verify"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  verdicts = {(r["file"]): r["verdict"] for r in report["manifests"]}
+  assert verdicts[path1.name].startswith("invalid")
+  (path2,) = root.glob(f"step-{2:010d}-inc*.manifest")
+  assert "checksum mismatch" in verdicts[path2.name]
+  assert verdicts[old3.name].startswith("superseded")
+  # incarnation `first` keeps only its abandoned step 3 valid-but-superseded
+  assert report["lineage"][str(first)] == {"steps": [3], "live_steps": []}
+  assert report["lineage"][str(first + 1)] == {"steps": [3], "live_steps": [3]}
+  assert report["restore_would_pick"]["step"] == 3
+  assert report["restore_would_pick"]["incarnation"] == first + 1

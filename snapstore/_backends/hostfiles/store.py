@@ -289,48 +289,16 @@ class HostStore:
       pass
 
   def manifests(self) -> list[Manifest]:
-    """Valid manifests of this run on this host, oldest first.
-
-    A manifest that is unreadable, fails its checksum or validation, names
-    another run, host, step or incarnation than its file name, or whose slot
-    file is missing, is skipped with a logged reason (never deleted: it may
-    be evidence).
-    """
+    """Valid manifests of this run on this host, oldest first. The others are
+    skipped with a logged reason (never deleted: they may be evidence)."""
     out = []
-    for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
-      named = _MANIFEST_RE.match(entry.name)
-      if not named:
-        continue
-      path = Path(entry.path)
-      try:
-        st = entry.stat(follow_symlinks=False)
-        version = (st.st_mtime_ns, st.st_size, st.st_ino)
-        cached = self._decoded.get(path)
-        if cached is not None and cached[0] == version:
-          m = cached[1]
-        else:
-          m = decode(read_small(path, MAX_MANIFEST_BYTES), what=str(path))
-          self._decoded[path] = (version, m)
-      except (errors.CorruptSnapshotError, OSError) as e:
-        logger.warning("ignoring %s: %s", path, e)
-        continue
-      if m.run_id != self.run_id:
-        logger.warning("ignoring %s: written by run %r, this is run %r",
-                       path, m.run_id, self.run_id)
-        continue
-      if (m.host, m.step, m.incarnation) != (self.host, int(named[1]), int(named[2])):
-        logger.warning("ignoring %s: names host %d step %d incarnation %d", path, m.host,
-                       m.step, m.incarnation)
-        continue
-      try:
-        slot_ok = stat.S_ISREG(os.lstat(self._slot_path(m.slot)).st_mode)
-      except OSError:
-        slot_ok = False
-      if not slot_ok:
-        logger.warning("ignoring %s: its slot file is missing or not a regular file", path)
-        continue
-      out.append(m)
-    return sorted(out, key=lambda m: (m.step, m.incarnation))
+    for path, m, why in scan(self.root, run_id=self.run_id, host=self.host,
+                             cache=self._decoded):
+      if m is None:
+        logger.warning("ignoring %s: %s", path, why)
+      else:
+        out.append(m)
+    return out
 
   # ------------------------------------------------------------- progress
   def write_progress(self, step: int, incarnation: int) -> None:
@@ -360,3 +328,51 @@ def read_progress(root: os.PathLike[str] | str) -> tuple[int, int]:
   except (OSError, ValueError, KeyError, TypeError, errors.SnapstoreError,
           msgpack.UnpackException):
     return NO_PROGRESS
+
+
+def scan(root: Path, *, run_id: str, host: int,
+         cache: dict[Path, tuple[tuple[int, int, int], Manifest]] | None = None
+         ) -> list[tuple[Path, Manifest | None, str | None]]:
+  """Every manifest file of one host store, oldest first: (path, manifest,
+  None) if valid, else (path, None, why not). Valid: it reads, passes its
+  checksum and validation, names this run, this host and the step and
+  incarnation of its file name, and its slot file is a regular file. Reads
+  only (``snapstore inspect`` uses it on stores it does not own)."""
+  out: list[tuple[Path, Manifest | None, str | None]] = []
+  for entry in sorted(os.scandir(root), key=lambda e: e.name):
+    named = _MANIFEST_RE.match(entry.name)
+    if not named:
+      continue
+    path = Path(entry.path)
+    try:
+      st = entry.stat(follow_symlinks=False)
+      version = (st.st_mtime_ns, st.st_size, st.st_ino)
+      cached = cache.get(path) if cache is not None else None
+      if cached is not None and cached[0] == version:
+        m = cached[1]
+      else:
+        m = decode(read_small(path, MAX_MANIFEST_BYTES), what=path.name)
+        if cache is not None:
+          cache[path] = (version, m)
+    except (errors.CorruptSnapshotError, OSError) as e:
+      out.append((path, None, str(e)))
+      continue
+    if m.run_id != run_id:
+      out.append((path, None, f"written by run {m.run_id!r}, this is run {run_id!r}"))
+      continue
+    if (m.host, m.step, m.incarnation) != (host, int(named[1]), int(named[2])):
+      out.append((path, None, f"names host {m.host} step {m.step} incarnation "
+                              f"{m.incarnation}, not what its name says"))
+      continue
+    try:
+      slot_ok = stat.S_ISREG(os.lstat(root / f"slot-{m.slot}.bin").st_mode)
+    except OSError:
+      slot_ok = False
+    if not slot_ok:
+      out.append((path, None, f"its slot file slot-{m.slot}.bin is missing or not a "
+                              "regular file"))
+      continue
+    out.append((path, m, None))
+  valid = sorted([e for e in out if e[1] is not None],
+                 key=lambda e: (e[1].step, e[1].incarnation))
+  return valid + [e for e in out if e[1] is None]

@@ -1,0 +1,91 @@
+"""``snapstore inspect``: what each host store of a run holds, each
+manifest's verdict, the lineage, and what ``restore`` would pick. Reads only:
+it creates, changes and deletes nothing, and refuses nothing but what it
+cannot read."""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+from . import _planner
+from ._backends.hostfiles.store import open_regular, scan
+from ._checksum import ChecksumKind, crc_matches, piece_key
+from ._manifest import Manifest
+
+_HOST_RE = re.compile(r"^host-(\d+)$")
+
+
+def _verify(root: Path, m: Manifest, pool: futures.Executor) -> str | None:
+  """None if every piece of ``m`` matches its checksum, else the first bad one."""
+  import mmap  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  fd = open_regular(root / f"slot-{m.slot}.bin")
+  try:
+    size = os.fstat(fd).st_size
+    mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
+  finally:
+    os.close(fd)
+  buf = np.frombuffer(mm, dtype=np.uint8)
+  for p in m.pieces:
+    path = m.leaves[p.leaf].path
+    if p.offset + p.nbytes > buf.nbytes:
+      return f"piece {p.index} of leaf {path!r} lies past the end of its slot file"
+    if p.kind is not ChecksumKind.CRC32C or not crc_matches(
+        buf[p.offset:p.offset + p.nbytes], p.checksum, chunk_bytes=m.chunk_bytes,
+        key=piece_key(path, p.index), pool=pool):
+      return f"checksum mismatch in piece {p.index} of leaf {path!r}"
+  return None
+
+
+def inspect_store(store: os.PathLike[str] | str, *, run_id: str | None = None,
+                  verify: bool = False) -> dict[str, Any]:
+  """A report of ``<store_dir>/<run_id>`` (or one ``host-<h>`` directory):
+  per manifest its verdict; per incarnation the steps it wrote and whether a
+  newer one superseded them; and the step ``restore`` would choose from
+  these stores (or why none). ``verify`` re-checks every piece's crc32c."""
+  root = Path(store)
+  hosts = sorted((int(m[1]), root / e) for e in os.listdir(root)
+                 if (m := _HOST_RE.match(e)) and (root / e).is_dir())
+  if not hosts and _HOST_RE.match(root.name):
+    hosts, root = [(int(root.name.split("-")[1]), root)], root.parent
+  run = run_id or root.name
+  rows, valid = [], []
+  with futures.ThreadPoolExecutor(2) as pool:
+    for host, hroot in hosts:
+      for path, m, why in scan(hroot, run_id=run, host=host):
+        row: dict[str, Any] = {"host": host, "file": path.name}
+        if m is not None and verify:
+          why = _verify(hroot, m, pool)
+        if m is not None:
+          row.update(step=m.step, incarnation=m.incarnation, slot=m.slot,
+                     pieces=len(m.pieces), bytes=m.data_bytes, leaves=len(m.leaves))
+        if why is None:
+          valid.append(m)
+        row["verdict"] = "valid" if why is None else f"invalid: {why}"
+        rows.append(row)
+  live = set(map(id, _planner.fence(valid)))
+  for row, m in zip([r for r in rows if r["verdict"] == "valid"], valid):
+    if id(m) not in live:
+      row["verdict"] = "superseded: a newer incarnation restarted from an earlier step"
+  lineage: dict[int, dict[str, Any]] = {}
+  for m in valid:
+    entry = lineage.setdefault(m.incarnation, {"steps": set(), "live_steps": set()})
+    entry["steps"].add(m.step)
+    if id(m) in live:
+      entry["live_steps"].add(m.step)
+  reasons: list[str] = []
+  plan = _planner.choose(valid, reasons=reasons)
+  return {
+      "store": str(root), "run_id": run, "hosts": [h for h, _ in hosts],
+      "manifests": rows,
+      "lineage": {str(inc): {"steps": sorted(e["steps"]), "live_steps": sorted(e["live_steps"])}
+                  for inc, e in sorted(lineage.items())},
+      "restore_would_pick": (
+          {"step": plan.step, "incarnation": plan.incarnation, "stores": list(plan.stores),
+           "passed_over": reasons}
+          if plan is not None else {"step": None, "why": reasons or ["no valid manifest"]}),
+  }
