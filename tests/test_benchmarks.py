@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks import (capture, checksum, goodput, multihost, overhead, restore, rewind,
+from benchmarks import (capture, checksum, goodput, multihost, overhead, restore, rewind, soak,
                         vs_orbax, vs_orbax_snapshotter)
 
 
@@ -114,3 +114,13 @@ def test_simulator_predicts_the_rewind_of_real_runs(tmp_path):
   rows = {r["snapshots"]: r for r in goodput.check(measured)["rows"]}
   assert rows[False]["relative_error"] <= 0.20, rows[False]
   assert abs(rows[True]["predicted_mean"] - rows[True]["measured_mean"]) <= 0.5, rows[True]
+
+
+def test_soak_benchmark_recovers_every_kill_bitwise(tmp_path):
+  """Two seeded kills (one mid-snapshot, one with the store wiped): every
+  completed restore is bitwise equal to the uninterrupted run, from RAM."""
+  result = _run(soak, ["--kills", "2", "--seed", "3"], tmp_path / "s.json")
+  assert len(result["kill_plan"]) == 2
+  assert result["restores_completed"] >= 1
+  assert result["fraction_correct"] == 1.0 and result["partial_restores"] == 0
+  assert result["final_state_equal"]
