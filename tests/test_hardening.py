@@ -179,7 +179,7 @@ def test_a_slot_truncated_under_a_live_mapping_falls_back(store_dir):
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
     refs = save_steps(mgr, [1, 2])  # this process has both slots mapped
     slot = slot_of(host_root(mgr), 2)
-    os.truncate(slot, slot.stat().st_size // 3)
+    subprocess.run(["truncate", "-s", str(slot.stat().st_size // 3), str(slot)], check=True)
     r = mgr.restore(abstract())
   assert r.step == 1
   assert_bitwise_equal(refs[1], r.state)
@@ -250,3 +250,24 @@ def test_inspect_gives_each_manifest_a_verdict_the_lineage_and_the_pick(store_di
   assert report["lineage"][str(first + 1)] == {"steps": [3], "live_steps": [3]}
   assert report["restore_would_pick"]["step"] == 3
   assert report["restore_would_pick"]["incarnation"] == first + 1
+
+
+def test_a_read_only_store_restores_and_refuses_saves_deleting_nothing(store_dir, tmp_path):
+  with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
+    refs = save_steps(mgr, [1, 2])
+  ro = tmp_path / "ro"
+  ro.mkdir()
+  if subprocess.run(["mount", "--bind", str(store_dir), str(ro)]).returncode != 0:
+    pytest.skip("cannot bind-mount here (needs CAP_SYS_ADMIN)")
+  try:
+    assert subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)]).returncode == 0
+    with snapstore.SnapshotManager(opts(ro, keep=2)) as mgr:
+      r = mgr.restore(abstract())
+      assert r.step == 2
+      assert_bitwise_equal(refs[2], r.state)
+      with pytest.raises(snapstore.StoreError, match="untouched"):
+        mgr.save(3, state_at(3))
+      assert mgr.restore(abstract()).step == 2
+  finally:
+    subprocess.run(["umount", str(ro)])
+  assert len(list((store_dir / "hard" / "host-0").glob("*.manifest"))) == 2

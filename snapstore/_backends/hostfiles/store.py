@@ -153,6 +153,17 @@ class HostStore:
     return out
 
   def reserve(self, step: int, snapshot_bytes: int) -> int:
+    """A slot of the right size for ``step``'s snapshot (see :meth:`_reserve`);
+    an OSError of the store (read-only, gone) is raised as StoreError."""
+    try:
+      return self._reserve(step, snapshot_bytes)
+    except errors.SnapstoreError:
+      raise
+    except OSError as e:
+      raise errors.StoreError(f"host {self.host}: cannot write {self.root} ({e}); the "
+                              "snapshots already there are untouched") from e
+
+  def _reserve(self, step: int, snapshot_bytes: int) -> int:
     """A slot of the right size for ``step``'s snapshot: a free one, else a
     new file; the oldest snapshots are evicted while the store would exceed
     ``keep + 1`` slots or the byte budget, never the newest complete one.
@@ -184,17 +195,14 @@ class HostStore:
         self.delete(m, f"slot {m.slot} reused for step {step}")
     free = [i for i in sorted(sizes) if i not in used]
     slot = next((i for i in free if sizes[i] == size), None)
-    try:
-      for i in free:  # free slots of another size hold nothing: drop them
-        if i != slot:
-          self._unmap(i)
-          os.unlink(self._slot_path(i))
-      if slot is None:  # the lowest number with no file (of any type) of that name
-        slot = next(i for i in itertools.count()
-                    if i not in used and not os.path.lexists(self._slot_path(i)))
-        self._create_slot(slot, size)
-    except OSError as e:
-      raise errors.StoreError(f"host {self.host}: cannot write {self.root} ({e})") from e
+    for i in free:  # free slots of another size hold nothing: drop them
+      if i != slot:
+        self._unmap(i)
+        os.unlink(self._slot_path(i))
+    if slot is None:  # the lowest number with no file (of any type) of that name
+      slot = next(i for i in itertools.count()
+                  if i not in used and not os.path.lexists(self._slot_path(i)))
+      self._create_slot(slot, size)
     return slot
 
   def _fits_after_eviction(self, newest: Manifest, sizes: dict[int, int], size: int) -> bool:
@@ -227,6 +235,10 @@ class HostStore:
       fd = open_regular(self._slot_path(slot), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
       try:
         st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+          raise errors.UnsafeStoreError(
+              f"{self._slot_path(slot)} is owned by uid {st.st_uid} with mode "
+              f"{stat.S_IMODE(st.st_mode):o}; a slot must be this user's, mode 0600")
         mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
       finally:
         os.close(fd)
