@@ -181,11 +181,23 @@ def best_snapshot_interval(sc: Scenario, candidates: Sequence[int] = (1, 2, 5, 1
   return max(scored, key=lambda ko: ko[1].goodput)
 
 
+def young_daly_interval(sc: Scenario) -> int:
+  """The interval ``SnapshotOptions(interval="auto")`` would choose here: the
+  same rule (``snapstore._interval.young_daly_steps``) on this model's cost
+  of one snapshot and the job's MTBF."""
+  from snapstore._interval import young_daly_steps  # noqa: PLC0415
+  cost = sc.snapshot_interference * sc.state_bytes_per_host / sc.host_device_bps
+  return young_daly_steps(cost, sc.mtbf_host_s / sc.hosts, sc.step_s)
+
+
 def _table(sc_name: str, sc: Scenario) -> dict[str, Any]:
   k, best = best_snapshot_interval(sc)
+  yd = young_daly_interval(sc)
+  at_yd = evaluate(dataclasses.replace(sc, snapshot_interval=yd))[-1]
   return {"preset": sc_name, "scenario": dataclasses.asdict(sc),
           "strategies": [dataclasses.asdict(o) for o in evaluate(sc)],
-          "best_snapshot_interval": {"interval": k, **dataclasses.asdict(best)}}
+          "best_snapshot_interval": {"interval": k, **dataclasses.asdict(best)},
+          "auto_interval": {"interval": yd, **dataclasses.asdict(at_yd)}}
 
 
 def curves(sc: Scenario, name: str, out_dir: Path) -> list[str]:

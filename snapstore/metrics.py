@@ -29,6 +29,8 @@ class SaveMetrics:
   drain_seconds_total: float = 0.0
   bytes_snapshotted: int = 0
   persistent_saves: int = 0
+  interval: int = 1              # the snapshot interval in force (``"auto"``: chosen)
+  interval_reason: str = "fixed"
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -32,7 +32,12 @@ class SnapshotOptions:
   """How often, how many and where snapshots are kept.
 
   Attributes:
-    interval: take a snapshot every ``interval`` steps (``step % interval == 0``).
+    interval: take a snapshot every ``interval`` steps (``step % interval == 0``),
+      or ``"auto"``: the Young/Daly interval from measured snapshot costs and
+      ``host_mtbf_s`` (``mgr.metrics.interval`` and ``interval_reason`` say
+      which and why).
+    host_mtbf_s: with ``interval="auto"``: one host's mean time between
+      failures in seconds (the job's is this divided by the hosts).
     keep: newest complete snapshots kept in the host store.
     budget_bytes: byte budget of this host's store, or of each slice's
       pinned-host store (``None``: no budget beyond the free space of
@@ -61,7 +66,8 @@ class SnapshotOptions:
       than the newest in the stores (agreed across hosts).
   """
 
-  interval: int = 1
+  interval: int | str = 1
+  host_mtbf_s: float | None = None
   keep: int = 2
   budget_bytes: int | None = None
   store_dir: str | os.PathLike[str] = DEFAULT_STORE_DIR
@@ -77,7 +83,12 @@ class SnapshotOptions:
   pinned_checksum: str = "auto"
 
   def __post_init__(self):
-    _int_option("interval", self.interval, 1)
+    if self.interval == "auto":
+      if type(self.host_mtbf_s) not in (int, float) or not self.host_mtbf_s > 0:
+        raise ValueError("interval='auto' needs host_mtbf_s: one host's mean time "
+                         f"between failures in seconds, got {self.host_mtbf_s!r}")
+    else:
+      _int_option("interval", self.interval, 1, "or 'auto'")
     _int_option("keep", self.keep, 1)
     _int_option("copy_threads", self.copy_threads, 1)
     _int_option("chunk_bytes", self.chunk_bytes, 4096)
@@ -108,7 +119,8 @@ class SnapshotOptions:
           f"pinned_checksum is 'auto', 'host' or 'device', got {self.pinned_checksum!r}")
 
   def should_snapshot(self, step: int) -> bool:
-    return step % self.interval == 0
+    """With a fixed interval; ``"auto"`` is decided by the manager."""
+    return isinstance(self.interval, int) and step % self.interval == 0
 
   def should_persist(self, step: int) -> bool:
     return self.persistent_interval > 0 and step % self.persistent_interval == 0

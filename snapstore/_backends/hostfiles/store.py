@@ -62,8 +62,8 @@ def secure_dir(path: Path, *, create: bool, shared_ok: bool = False) -> None:
   except FileNotFoundError:
     if not create:
       raise
-    try:
-      os.mkdir(path, 0o700)
+    try:  # the store dir's missing parents too; the run and host dirs one level
+      os.makedirs(path, 0o700) if shared_ok else os.mkdir(path, 0o700)
     except FileExistsError:
       pass
     st = os.lstat(path)

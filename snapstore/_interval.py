@@ -1,0 +1,79 @@
+"""``interval="auto"``: the snapshot interval that maximizes goodput.
+
+Young/Daly: with a snapshot costing ``C`` seconds of lost progress and a job
+mean time between failures ``M`` (a host's MTBF divided by the hosts), the
+optimal period is ``sqrt(2 C M)``; in steps, ``max(1, floor(sqrt(2 C M) /
+step))`` (floor: never snapshot less often than optimal). CheckFreq (FAST'21)
+tunes its checkpoint frequency online the same way.
+
+``C`` is measured, per snapshot: the time ``save`` blocked the training loop
+(capture, and waiting for the previous drain), plus the slowdown of the
+steps a background drain overlaps. The slowdown is the median step with a
+drain in flight minus the median step without one, once there are steps of
+both kinds; before that (interval 1 leaves no step without a drain) the
+drain's whole duration counts: an upper bound, so the interval can only
+grow from there. ``step`` is the median time between ``save`` calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+
+
+def young_daly_steps(cost_s: float, mtbf_s: float, step_s: float) -> int:
+  """Snapshot every this many steps: ``max(1, floor(sqrt(2 C M) / step))``."""
+  if step_s <= 0:
+    return 1
+  return max(1, math.floor(math.sqrt(2.0 * max(cost_s, 0.0) * mtbf_s) / step_s))
+
+
+class AutoInterval:
+  """Online Young/Daly interval from a window of recent measurements.
+  ``save`` (training thread) and the drain thread report to it."""
+
+  def __init__(self, job_mtbf_s: float, window: int = 32):
+    self.job_mtbf_s = job_mtbf_s
+    self._blocking: collections.deque[float] = collections.deque(maxlen=window)
+    self._drain: collections.deque[float] = collections.deque(maxlen=window)
+    self._busy_steps: collections.deque[float] = collections.deque(maxlen=window)
+    self._free_steps: collections.deque[float] = collections.deque(maxlen=window)
+    self._last_call: float | None = None
+    self.interval = 1
+    self.reason = "no snapshot measured yet"
+
+  def on_call(self, now: float, drain_in_flight: bool) -> None:
+    """A ``save`` call at ``now``; whether a drain ran during the step before."""
+    if self._last_call is not None:
+      (self._busy_steps if drain_in_flight else self._free_steps).append(
+          now - self._last_call)
+    self._last_call = now
+
+  def on_snapshot(self, blocking_s: float) -> None:
+    self._blocking.append(blocking_s)
+    self._update()
+
+  def on_drain(self, drain_s: float) -> None:
+    self._drain.append(drain_s)
+
+  def cost(self) -> tuple[float, str]:
+    """(seconds a snapshot costs the job, how that was measured)."""
+    blocking = statistics.median(self._blocking)
+    if len(self._busy_steps) >= 3 and len(self._free_steps) >= 3:
+      slow = max(0.0, statistics.median(self._busy_steps) -
+                 statistics.median(self._free_steps))
+      return blocking + slow, f"blocking {blocking:.4f} s + measured slowdown {slow:.4f} s"
+    drain = statistics.median(self._drain) if self._drain else 0.0
+    return blocking + drain, (f"blocking {blocking:.4f} s + drain {drain:.4f} s (an upper "
+                              "bound until steps without a drain are seen)")
+
+  def _update(self) -> None:
+    steps = list(self._busy_steps) + list(self._free_steps)
+    if not self._blocking or len(steps) < 3:
+      return
+    step = statistics.median(steps)
+    cost, how = self.cost()
+    self.interval = young_daly_steps(cost, self.job_mtbf_s, step)
+    self.reason = (f"Young/Daly: sqrt(2 x cost {cost:.4f} s x job MTBF {self.job_mtbf_s:.0f} s)"
+                   f" / step {step:.4f} s -> every {self.interval} steps; cost = {how}")

@@ -1,0 +1,64 @@
+"""``interval="auto"``: the Young/Daly rule, and the interval a manager
+chooses from what it measures (1 for a tiny state, more for a costly one)."""
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import snapstore
+from snapstore._interval import young_daly_steps
+
+
+@pytest.mark.parametrize("cost,mtbf,step", [(0.01, 3600.0, 0.3), (2.0, 86400.0, 3.0),
+                                            (1e-4, 1.0, 0.05), (0.5, 10.0, 0.001)])
+def test_rule_is_young_daly_in_whole_steps(cost, mtbf, step):
+  assert young_daly_steps(cost, mtbf, step) == max(1, math.floor(math.sqrt(2 * cost * mtbf)
+                                                                  / step))
+
+
+def test_rule_grows_with_cost_and_mtbf_and_shrinks_with_step():
+  base = young_daly_steps(0.05, 3600, 0.3)
+  assert young_daly_steps(0.2, 3600, 0.3) > base
+  assert young_daly_steps(0.05, 4 * 3600, 0.3) > base
+  assert young_daly_steps(0.05, 3600, 1.2) < base
+  assert young_daly_steps(0.0, 3600, 0.3) == 1
+
+
+def run_auto(store_dir, state, step_fn, steps, mtbf):
+  opts = snapstore.SnapshotOptions(store_dir=store_dir, interval="auto", host_mtbf_s=mtbf)
+  saved = 0
+  with snapstore.SnapshotManager(opts) as mgr:
+    for s in range(steps):
+      state = step_fn(state)
+      saved += mgr.save(s, state)
+    mgr.wait_until_finished()
+    return mgr.metrics, saved
+
+
+def test_auto_interval_is_1_for_a_tiny_state_and_grows_for_a_costly_one(store_dir):
+  tiny = {"w": jnp.ones((16,), jnp.float32)}
+
+  def slow_step(s):
+    time.sleep(0.05)  # a step much longer than the snapshot
+    return jax.tree.map(lambda x: x + 1, s)
+  m, saved = run_auto(store_dir / "tiny", tiny, slow_step, 30, mtbf=1.0)
+  assert m.interval == 1 and saved == 30, m.interval_reason
+  assert "Young/Daly" in m.interval_reason
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  big = {"w": jax.device_put(jnp.ones((32 << 20) // 4, jnp.float32),
+                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))}
+  fast = jax.jit(lambda s: jax.tree.map(lambda x: x * 1.0001, s))
+  m, saved = run_auto(store_dir / "big", big, fast, 60, mtbf=1.0)
+  assert m.interval > 1 and saved < 60, m.interval_reason
+  # the rule, applied to what it measured, is what it chose
+  assert f"every {m.interval} steps" in m.interval_reason
+
+
+def test_auto_needs_an_mtbf():
+  with pytest.raises(ValueError, match="host_mtbf_s"):
+    snapstore.SnapshotOptions(interval="auto")
