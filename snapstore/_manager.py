@@ -134,7 +134,9 @@ class SnapshotManager:
         num_hosts=max(self.num_hosts, len(self.backend.store_ids())),
         tree_digest=tree_digest(specs), chunk_bytes=self.options.chunk_bytes,
         leaves=tuple(specs), extra=extra)
-    pending = self.backend.capture(header, specs, leaves)
+    travel = self.metrics.snapshots_started % self.options.replica_interval == 0
+    pending = self.backend.capture(header, specs, leaves,
+                                   replicas=self.options.replicas if travel else 0)
     self._inflight = self._drainer.submit(self._drain, pending)
     self.metrics.snapshots_started += 1
     self.metrics.capture_seconds = time.perf_counter() - t0

@@ -66,19 +66,28 @@ def replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
 
   Returns [] when every shard already has ``replicas`` twins in other
   domains (data parallelism across domains), or when the sharding is not a
-  NamedSharding spanning several domains.
+  NamedSharding spanning several domains. Memoized: a state's leaves share a
+  few shardings, and this runs for every leaf of every snapshot.
   """
+  return list(_replica_shardings(sharding, shape, tuple(sorted(domains.items())), replicas))
+
+
+@functools.lru_cache(maxsize=4096)
+def _replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
+                       domain_items: tuple[tuple[int, int], ...],
+                       replicas: int) -> tuple[NamedSharding, ...]:
+  domains = dict(domain_items)
   if replicas == 0 or not isinstance(sharding, NamedSharding):
-    return []
+    return ()
   num_domains = len(set(domains.values()))
   if num_domains < 2 or len({domains[d.process_index] for d in sharding.device_set}) < 2:
-    return []
+    return ()
   idx_map = sharding.devices_indices_map(shape)
   holders: dict[tuple, set[int]] = collections.defaultdict(set)
   for d, idx in idx_map.items():
     holders[normalize(idx, shape)].add(domains[d.process_index])
   if all(len(v) >= min(replicas + 1, num_domains) for v in holders.values()):
-    return []
+    return ()
   mesh = sharding.mesh
   out = []
   for r in range(1, min(replicas, num_domains - 1) + 1):
@@ -88,9 +97,10 @@ def replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
     out.append(NamedSharding(Mesh(devices, mesh.axis_names,
                                   axis_types=mesh.axis_types), sharding.spec,
                              memory_kind=sharding.memory_kind))
-  return out
+  return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
 def owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[tuple, int]:
   """global index -> lowest process index holding it in ``sharding``."""
   out: dict[tuple, int] = {}

@@ -52,6 +52,11 @@ class SnapshotOptions:
     copy_threads: worker threads that copy and checksum shards.
     chunk_bytes: unit of copy and checksum.
     replicas: copies of each shard kept in other failure domains (multi-host).
+    replica_interval: the replicas travel with every this-many-th snapshot
+      (1: every one). In between, a store keeps only its own pieces, so losing
+      a domain rewinds to the newest snapshot whose replicas travelled (the
+      restore picks it and reports the rewind). For jobs where the transfer
+      costs more of a step than it should.
     hosts_per_domain: hosts that fail together, where devices carry no
       ``slice_index`` (``None``: one domain per host).
     store: where snapshots live (:class:`StoreKind`); ``AUTO`` picks the
@@ -77,6 +82,7 @@ class SnapshotOptions:
   copy_threads: int = 2
   chunk_bytes: int = 16 << 20
   replicas: int = 1
+  replica_interval: int = 1
   hosts_per_domain: int | None = None
   incarnation: int | None = None
   store: StoreKind = StoreKind.AUTO
@@ -99,6 +105,7 @@ class SnapshotOptions:
       _int_option("budget_bytes", self.budget_bytes, 1, "or None")
     _int_option("persistent_interval", self.persistent_interval, 0, "(0 disables)")
     _int_option("replicas", self.replicas, 0)
+    _int_option("replica_interval", self.replica_interval, 1)
     if self.hosts_per_domain is not None:
       _int_option("hosts_per_domain", self.hosts_per_domain, 1, "or None")
     if self.incarnation is not None:

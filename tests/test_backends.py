@@ -244,3 +244,17 @@ def test_restoring_an_older_step_abandons_the_newer_ones(kind, store_dir):
     again = mgr.restore(abstract(awkward_state(jax.devices(), 0)))
   assert again.step == 2
   assert_bitwise_equal(host_copy(new), again.state)
+
+
+def test_replicas_every_other_snapshot_rewind_to_the_last_that_had_them(sliced, store_dir):
+  """replica_interval=2: step 2's snapshot kept no cross-domain copies, so
+  losing domain 1 restores step 1, the newest whose every piece survives."""
+  devs = jax.devices()
+  with sliced.manager(store_dir, replica_interval=2, keep=3) as mgr:
+    refs = save_steps(mgr, [1, 2])
+    held = {m.step: len(m.pieces) for m in mgr.backend.stores[0].manifests()}
+    assert held[1] > held[2]  # step 1 carries domain 1's pieces too
+    mgr.forget_domains([1], "slice lost")
+    r = mgr.restore(abstract(awkward_state(devs[:4], 0)))
+  assert (r.step, r.rewind_steps) == (1, 1)
+  assert_bitwise_equal(refs[1], r.state)

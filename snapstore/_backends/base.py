@@ -88,10 +88,11 @@ class Backend(PieceSource, Protocol):
 
   def write_progress(self, step: int, incarnation: int) -> None: ...
 
-  def capture(self, header: Header, specs: Sequence[LeafSpec],
-              leaves: Sequence[Any]) -> Pending:
-    """Takes the state out of reach of the next step and reserves room for
-    it. Training thread; collective on a multi-controller job."""
+  def capture(self, header: Header, specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
+              replicas: int) -> Pending:
+    """Takes the state out of reach of the next step, with ``replicas``
+    cross-domain copies of pieces that have no twin there, and reserves room
+    for it. Training thread; collective on a multi-controller job."""
 
   def drain(self, pending: Pending) -> int:
     """Copies, checksums and commits ``pending``, then applies retention.

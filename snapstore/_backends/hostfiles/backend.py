@@ -64,17 +64,17 @@ class HostFilesBackend(DomainStores):
 
 
   # ------------------------------------------------------------------ save
-  def capture(self, header: Header, specs: Sequence[LeafSpec],
-              leaves: Sequence[Any]) -> _Pending:
+  def capture(self, header: Header, specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
+              replicas: int) -> _Pending:
     if self._domain_of is not None:
       up = set(self.live())
       live = {d: k for d, k in self._domain_of.items() if k in up}
       caps = _capture.capture_by_domain(specs, leaves, domain_of=live,
-                                        replicas=self.options.replicas, step=header.step)
+                                        replicas=replicas, step=header.step)
     else:
       caps = {self._host: _capture.capture(specs, leaves, host=self._host,
                                            domains=self._domains,
-                                           replicas=self.options.replicas,
+                                           replicas=replicas,
                                            step=header.step)}
     jobs = []
     for sid, cap in caps.items():

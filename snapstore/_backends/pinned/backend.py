@@ -76,8 +76,8 @@ class PinnedHostBackend(DomainStores):
 
 
   # ------------------------------------------------------------------ save
-  def capture(self, header: Header, specs: Sequence[LeafSpec],
-              leaves: Sequence[Any]) -> _Pending:
+  def capture(self, header: Header, specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
+              replicas: int) -> _Pending:
     slots: dict[int, int] = {}
 
     def make_room(nbytes: Mapping[int, int]) -> None:  # before any copy is made
@@ -85,7 +85,7 @@ class PinnedHostBackend(DomainStores):
         slots[sid] = self.stores[sid].reserve(header.step, n)
 
     live = {k: self._slices[k] for k in self.live()}
-    cap = _capture.capture(specs, leaves, slices=live, replicas=self.options.replicas,
+    cap = _capture.capture(specs, leaves, slices=live, replicas=replicas,
                            step=header.step, checksum=self.checksum,
                            chunk_bytes=self.options.chunk_bytes, before_dispatch=make_room)
     return _Pending(header, cap, slots)
