@@ -13,7 +13,9 @@ Every incarnation reports the global state's digest at its restored step
 and at every step after (``snapstore launch`` collects them). A recovery is
 *correct* when every digest of the incarnation that followed it equals an
 uninterrupted run's at the same step; *partial* when the restored step's
-digest differs (a mixed or wrong state was restored). The result: the
+digest differs (a mixed or wrong state was restored); *interrupted* when the
+incarnation was killed before it reported any digest (a kill inside its own
+restore): the next incarnation's recovery is the one that counts. The result: the
 fraction correct (goal 1.0; the anchor's soak recovered ~73%), the rewinds,
 the sources, the partial restores.
 """
@@ -73,9 +75,9 @@ def run(kills: int, hosts: int, seed: int) -> dict:
   for inc in incs[1:]:
     r = inc.restore or {}
     restored = r.get("step")
-    if restored is None and inc.killed:  # killed inside its own restore: the next one counts
+    if inc.killed and not inc.digests:  # killed inside its restore: the next one counts
       recoveries.append({"incarnation": inc.number, "interrupted": True,
-                         "killed_here": inc.failure})
+                         "restored_step_on_host_0": restored, "killed_here": inc.failure})
       continue
     got = inc.digests
     partial = restored is not None and got.get(str(restored)) not in (None, want.get(
