@@ -33,6 +33,8 @@ def main() -> int:
   p.add_argument("--checkpoint-every", type=int, default=0)
   p.add_argument("--hosts-per-domain", type=int, default=None)
   p.add_argument("--replicas", type=int, default=1)
+  p.add_argument("--replica-interval", type=int, default=1,
+                 help="replicas travel with every this-many-th snapshot")
   p.add_argument("--keep", type=int, default=2, help="snapshots kept per host")
   p.add_argument("--snapshots", type=int, default=1, help="0: GCS-only baseline")
   p.add_argument("--digest-restore", action=argparse.BooleanOptionalAction, default=True,
@@ -66,6 +68,7 @@ def main() -> int:
   opts = snapstore.SnapshotOptions(
       interval=1 if a.snapshots else 10**9, keep=a.keep, store_dir=a.store, run_id=a.run_id,
       persistent_interval=a.checkpoint_every, replicas=a.replicas,
+      replica_interval=a.replica_interval,
       hosts_per_domain=a.hosts_per_domain)
   report = {"host": host, "incarnation": inc, "losses": {}, "digests": {}, "times": {},
             "started": started}
