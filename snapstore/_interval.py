@@ -29,28 +29,50 @@ def young_daly_steps(cost_s: float, mtbf_s: float, step_s: float) -> int:
   return max(1, math.floor(math.sqrt(2.0 * max(cost_s, 0.0) * mtbf_s) / step_s))
 
 
+class FixedInterval:
+  """A snapshot every ``interval`` steps (``step % interval == 0``)."""
+
+  def __init__(self, interval: int):
+    self.interval = interval
+    self.reason = f"fixed: every {interval} steps"
+
+  def due(self, step: int, now: float, drain_busy_until: float) -> bool:
+    return step % self.interval == 0
+
+  def on_snapshot(self, step: int, blocking_s: float) -> None:
+    pass
+
+  def on_drain(self, drain_s: float) -> None:
+    pass
+
+
 class AutoInterval:
   """Online Young/Daly interval from a window of recent measurements.
   ``save`` (training thread) and the drain thread report to it."""
 
   def __init__(self, job_mtbf_s: float, window: int = 32):
     self.job_mtbf_s = job_mtbf_s
+    self._last_snapshot: int | None = None
     self._blocking: collections.deque[float] = collections.deque(maxlen=window)
     self._drain: collections.deque[float] = collections.deque(maxlen=window)
     self._busy_steps: collections.deque[float] = collections.deque(maxlen=window)
     self._free_steps: collections.deque[float] = collections.deque(maxlen=window)
     self._last_call: float | None = None
     self.interval = 1
-    self.reason = "no snapshot measured yet"
+    self.reason = "auto: no snapshot measured yet"
 
-  def on_call(self, now: float, drain_in_flight: bool) -> None:
-    """A ``save`` call at ``now``; whether a drain ran during the step before."""
+  def due(self, step: int, now: float, drain_busy_until: float) -> bool:
+    """A ``save`` call at ``now``; a drain ran until ``drain_busy_until``.
+    Records the step just ended (with or without a drain), then says whether
+    ``step`` is a snapshot step."""
     if self._last_call is not None:
-      (self._busy_steps if drain_in_flight else self._free_steps).append(
-          now - self._last_call)
+      busy = drain_busy_until > self._last_call
+      (self._busy_steps if busy else self._free_steps).append(now - self._last_call)
     self._last_call = now
+    return self._last_snapshot is None or step - self._last_snapshot >= self.interval
 
-  def on_snapshot(self, blocking_s: float) -> None:
+  def on_snapshot(self, step: int, blocking_s: float) -> None:
+    self._last_snapshot = step
     self._blocking.append(blocking_s)
     self._update()
 
@@ -75,5 +97,16 @@ class AutoInterval:
     step = statistics.median(steps)
     cost, how = self.cost()
     self.interval = young_daly_steps(cost, self.job_mtbf_s, step)
-    self.reason = (f"Young/Daly: sqrt(2 x cost {cost:.4f} s x job MTBF {self.job_mtbf_s:.0f} s)"
+    self.reason = (f"auto, Young/Daly: sqrt(2 x cost {cost:.4f} s x job MTBF {self.job_mtbf_s:.0f} s)"
                    f" / step {step:.4f} s -> every {self.interval} steps; cost = {how}")
+
+
+Schedule = FixedInterval | AutoInterval
+
+
+def schedule_for(interval: int | str, host_mtbf_s: float | None, hosts: int) -> Schedule:
+  """The policy for ``SnapshotOptions.interval`` (``"auto"``: Young/Daly with
+  the job's MTBF, one host's divided by ``hosts``)."""
+  if interval == "auto" and host_mtbf_s is not None:
+    return AutoInterval(host_mtbf_s / max(hosts, 1))
+  return FixedInterval(int(interval))

@@ -78,15 +78,10 @@ class SnapshotManager:
     self._drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
     self._inflight: futures.Future[None] | None = None
     self._inflight_done_at = 0.0
-    self._last_snapshot: int | None = None
-    self._auto = (_interval.AutoInterval(self.options.host_mtbf_s / max(
-        self.num_hosts, len(self.backend.store_ids())))
-        if self.options.interval == "auto" else None)
-    self._auto_last_call = 0.0
-    self.metrics.interval_reason = ("auto: " + self._auto.reason if self._auto
-                                    else f"fixed: every {self.options.interval} steps")
-    if self._auto is None:
-      self.metrics.interval = self.options.interval
+    self.schedule = _interval.schedule_for(self.options.interval, self.options.host_mtbf_s,
+                                           max(self.num_hosts, len(self.backend.store_ids())))
+    self.metrics.interval, self.metrics.interval_reason = (self.schedule.interval,
+                                                           self.schedule.reason)
     self._closed = False
 
   # ------------------------------------------------------------------ save
@@ -107,7 +102,9 @@ class SnapshotManager:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
     self._newest_step = max(self._newest_step, step)
     self.backend.write_progress(self._newest_step, self.incarnation)
-    snap = force or self._due(step, t_enter)
+    running = self._inflight is not None and not self._inflight.done()
+    snap = self.schedule.due(step, t_enter, t_enter if running else self._inflight_done_at)
+    snap = snap or force
     persist = self.persistent is not None and self.options.should_persist(step)
     if not (snap or persist):
       return False
@@ -141,29 +138,16 @@ class SnapshotManager:
     self.metrics.snapshots_started += 1
     self.metrics.capture_seconds = time.perf_counter() - t0
     self.metrics.capture_seconds_total += self.metrics.capture_seconds
-    self._last_snapshot = step
-    if self._auto is not None:
-      self._auto.on_snapshot(time.perf_counter() - t_enter)
-      self.metrics.interval, self.metrics.interval_reason = (self._auto.interval,
-                                                             self._auto.reason)
+    self.schedule.on_snapshot(step, time.perf_counter() - t_enter)
+    self.metrics.interval, self.metrics.interval_reason = (self.schedule.interval,
+                                                           self.schedule.reason)
     return True
-
-  def _due(self, step: int, now: float) -> bool:
-    """Whether ``step`` is a snapshot step (fixed interval, or ``"auto"``)."""
-    if self._auto is None:
-      return self.options.should_snapshot(step)
-    busy = self._inflight is not None and (not self._inflight.done() or
-                                           self._inflight_done_at > self._auto_last_call)
-    self._auto.on_call(now, busy)
-    self._auto_last_call = now
-    return self._last_snapshot is None or step - self._last_snapshot >= self._auto.interval
 
   def _drain(self, pending: Any) -> None:
     t0 = time.perf_counter()
     nbytes = self.backend.drain(pending)
     self._inflight_done_at = time.perf_counter()
-    if self._auto is not None:
-      self._auto.on_drain(self._inflight_done_at - t0)
+    self.schedule.on_drain(self._inflight_done_at - t0)
     self.metrics.snapshots_committed += 1
     self.metrics.bytes_snapshotted += nbytes
     self.metrics.drain_seconds = time.perf_counter() - t0

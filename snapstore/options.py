@@ -125,10 +125,6 @@ class SnapshotOptions:
       raise ValueError(
           f"pinned_checksum is 'auto', 'host' or 'device', got {self.pinned_checksum!r}")
 
-  def should_snapshot(self, step: int) -> bool:
-    """With a fixed interval; ``"auto"`` is decided by the manager."""
-    return isinstance(self.interval, int) and step % self.interval == 0
-
   def should_persist(self, step: int) -> bool:
     return self.persistent_interval > 0 and step % self.persistent_interval == 0
 
