@@ -78,6 +78,27 @@ def crc_chunks(buf: np.ndarray, *, chunk_bytes: int, key: bytes,
                else map(one, starts))
 
 
+def copy_verified(src: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key: bytes,
+                  pool: futures.Executor | None = None) -> np.ndarray | None:
+  """A private copy of ``src``'s bytes whose every chunk matched its recorded
+  crc32c (computed on the copy, while hot in cache: the bytes checked are the
+  bytes returned, whatever happens to ``src`` later), or None."""
+  raw = _flat_bytes(src)
+  n = raw.nbytes
+  starts = _chunk_starts(n, chunk_bytes)
+  if len(starts) != len(crcs):
+    return None
+  out = np.empty(n, np.uint8)
+
+  def one(a: int) -> int:
+    b = min(a + chunk_bytes, n)
+    np.copyto(out[a:b], raw[a:b])
+    return crc32c.crc32c(out[a:b], chunk_seed(key, a // chunk_bytes))
+  got = tuple(pool.map(one, starts) if pool is not None and len(starts) > 1
+              else map(one, starts))
+  return out if got == tuple(crcs) else None
+
+
 def crc_matches(buf: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key: bytes,
                 pool: futures.Executor | None = None) -> bool:
   """True if every chunk of ``buf`` matches its recorded crc32c."""

@@ -14,6 +14,7 @@ import enum
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +52,7 @@ class LeafSpec:
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.np_dtype).itemsize
+    return math.prod(self.shape) * np.dtype(self.np_dtype).itemsize
 
   @property
   def np_dtype(self) -> np.dtype:
@@ -126,11 +127,19 @@ def check_spec(spec: LeafSpec) -> None:
     raise ValueError(f"shape {spec.shape} is too large")
 
 
+def _utf8(text: str) -> bool:
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:  # a lone surrogate
+    return False
+  return True
+
+
 def check_scalar(path: str, value: Any) -> None:
   """Raises UnsupportedLeafError unless a manifest can carry ``value`` exactly."""
   ok = (value is None or type(value) in (bool, float)
         or (type(value) is int and _INT_RANGE[0] <= value <= _INT_RANGE[1])
-        or (type(value) is str and len(value) <= MAX_STR))
+        or (type(value) is str and len(value) <= MAX_STR and _utf8(value)))
   if not ok:
     raise errors.UnsupportedLeafError(
         f"leaf {path!r}: {type(value).__name__} {str(value)[:40]!r} cannot be kept "
@@ -145,7 +154,12 @@ def flatten(tree: Any) -> tuple[list[LeafSpec], list[Any], Any]:
   seen: set[str] = set()
   for s in specs:
     if s.path in seen:
-      raise ValueError(f"two leaves share the key path {s.path!r}")
+      raise errors.UnsupportedLeafError(
+          f"two leaves share the key path {s.path!r} (a key containing '/'?); rename one",
+          leaf=s.path)
+    if not _utf8(s.path):
+      raise errors.UnsupportedLeafError(f"leaf path {s.path!r} is not valid UTF-8",
+                                        leaf=s.path)
     seen.add(s.path)
   return specs, [leaf for _, leaf in with_path], treedef
 

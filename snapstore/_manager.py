@@ -25,7 +25,7 @@ from ._layout import LeafSpec, check_compatible, flatten, tree_digest
 from ._manifest import check_extra
 from ._persistent import OrbaxTier
 from .metrics import RestoreResult, SaveMetrics, Source
-from .options import BusyPolicy, SnapshotOptions
+from .options import MAX_INT, BusyPolicy, SnapshotOptions
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,10 @@ class SnapshotManager:
       seen = [m.incarnation for m in self.backend.manifests()] + [prev_inc]
       # a replaced host starts empty: agree on the max.
       self.incarnation = self._peers.agree_max(max(seen) + 1)
+      if self.incarnation > MAX_INT:
+        raise errors.StoreError(
+            f"the stores name incarnation {self.incarnation - 1}, the most there can be; "
+            f"inspect them ({self.backend.describe()}) or pass incarnation=")
     self._newest_step = prev_step
     self.metrics = SaveMetrics()
     self._drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
@@ -98,8 +102,8 @@ class SnapshotManager:
     """
     self._check_open()
     t_enter = time.perf_counter()
-    if type(step) is not int or step < 0:
-      raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if type(step) is not int or not 0 <= step <= MAX_INT:
+      raise ValueError(f"step must be an int in [0, 2**48], got {step!r}")
     self._newest_step = max(self._newest_step, step)
     self.backend.write_progress(self._newest_step, self.incarnation)
     running = self._inflight is not None and not self._inflight.done()

@@ -22,13 +22,13 @@ import msgpack
 from . import errors
 from ._checksum import ChecksumKind
 from ._index import Index, disjoint, nbytes as index_nbytes
+from .options import MAX_INT
 from ._layout import (LeafKind, LeafSpec, check_scalar, check_spec, spec_from_row, spec_row,
                       tree_digest)
 
 FORMAT = "snapstore/manifest"
 VERSION = 3  # 3: an envelope with the body's crc32c; per-piece checksum kinds
 MAX_MANIFEST_BYTES = 64 << 20
-MAX_INT = 2**62  # steps, incarnations, sizes: room to add one without overflow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,17 +103,22 @@ def check_extra(extra: Any) -> None:
     raise TypeError(
         f"extra must be msgpack-serializable (dicts, lists, str, bytes, numbers): {e}"
     ) from e
-  if _normalize(back) != _normalize(extra):
+  if not _same(back, extra):
     raise TypeError("extra does not survive a msgpack round trip unchanged "
                     "(tuples become lists); pass lists and dicts")
 
 
-def _normalize(x: Any) -> Any:
-  if isinstance(x, dict):
-    return {k: _normalize(v) for k, v in x.items()}
-  if isinstance(x, list):
-    return [_normalize(v) for v in x]
-  return x
+def _same(a: Any, b: Any) -> bool:
+  """Equal in type and value, NaN equal to NaN (what a round trip must keep)."""
+  if type(a) is not type(b):
+    return False
+  if isinstance(a, dict):
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+  if isinstance(a, list):
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+  if isinstance(a, float):
+    return a == b or (a != a and b != b)
+  return a == b
 
 
 def _unpack(data: bytes) -> Any:
@@ -125,8 +130,10 @@ def decode(data: bytes, *, what: str = "manifest") -> Manifest:
   validates every field; raises CorruptSnapshotError saying why."""
   if len(data) > MAX_MANIFEST_BYTES:
     raise errors.CorruptSnapshotError(f"{what}: {len(data)} bytes exceeds the limit")
-  try:
-    env = _unpack(data)
+  try:  # the envelope: four small fields and the body (a crafted header claiming
+    # millions of entries is refused before it costs memory)
+    env = msgpack.unpackb(data, raw=False, max_array_len=0, max_map_len=8, max_str_len=64,
+                        max_bin_len=MAX_MANIFEST_BYTES, max_ext_len=0)
   except Exception as e:  # msgpack raises several unrelated types on bad input.
     raise errors.CorruptSnapshotError(f"{what}: not valid msgpack ({e})") from e
   if not isinstance(env, dict) or env.get("format") != FORMAT:

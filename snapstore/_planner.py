@@ -13,9 +13,11 @@ import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
+import msgpack
+
 from . import errors
 from ._index import Index, full, tiles, volume
-from ._layout import LeafKind, LeafSpec
+from ._layout import LeafKind, LeafSpec, spec_row
 from ._manifest import Manifest, PieceRecord
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,14 @@ def fence(manifests: Iterable[Manifest]) -> list[Manifest]:
   return out
 
 
+def _shared_content(m: Manifest) -> bytes:
+  """What every store's manifest of one step must agree on, as bytes
+  (``==`` on values would call NaN unequal to itself, and True equal to 1.0)."""
+  return msgpack.packb([[spec_row(s) for s in m.leaves],
+                        sorted(m.scalars.items()), m.extra, m.chunk_bytes],
+                       use_bin_type=True)
+
+
 def plan_step(step: int, manifests: Sequence[Manifest], *,
               bad: Collection[CopyKey] = (), prefer_store: int = 0,
               reasons: list[str] | None = None) -> StepPlan | None:
@@ -94,8 +104,7 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
       reasons.append(f"step {step}: hosts disagree on the tree structure")
     return None
   ref = ms[0]
-  if any((m.leaves, m.scalars, m.extra, m.chunk_bytes) !=
-         (ref.leaves, ref.scalars, ref.extra, ref.chunk_bytes) for m in ms[1:]):
+  if len({_shared_content(m) for m in ms}) > 1:
     why = f"step {step}: hosts disagree on the leaves, scalars or extra"
     logger.warning(why)
     if reasons is not None:

@@ -98,6 +98,8 @@ class SnapshotOptions:
     _int_option("keep", self.keep, 1)
     _int_option("copy_threads", self.copy_threads, 1)
     _int_option("chunk_bytes", self.chunk_bytes, 4096)
+    if self.chunk_bytes > 1 << 30:
+      raise ValueError(f"chunk_bytes must be at most 1 GiB, got {self.chunk_bytes}")
     if self.chunk_bytes % 4096:
       raise ValueError(
           f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
@@ -129,10 +131,13 @@ class SnapshotOptions:
     return self.persistent_interval > 0 and step % self.persistent_interval == 0
 
 
+MAX_INT = 2**48  # steps, incarnations, sizes: far beyond use, far below overflow
+
+
 def _int_option(name: str, value: object, minimum: int, also: str = "") -> None:
-  """Raises (naming the option) unless ``value`` is an int >= ``minimum``
-  (bool and float are refused: ``interval=True`` is a mistake)."""
-  if type(value) is not int or value < minimum:
+  """Raises (naming the option) unless ``value`` is an int in [``minimum``,
+  2**48] (bool and float are refused: ``interval=True`` is a mistake)."""
+  if type(value) is not int or not minimum <= value <= MAX_INT:
     kind = TypeError if type(value) is not int else ValueError
-    raise kind(f"{name} must be an int >= {minimum}{' ' + also if also else ''}, "
+    raise kind(f"{name} must be an int in [{minimum}, 2**48]{' ' + also if also else ''}, "
                f"got {value!r}")

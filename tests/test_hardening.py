@@ -269,5 +269,109 @@ def test_a_read_only_store_restores_and_refuses_saves_deleting_nothing(store_dir
         mgr.save(3, state_at(3))
       assert mgr.restore(abstract()).step == 2
   finally:
-    subprocess.run(["umount", str(ro)])
+    subprocess.run(["umount", "-l", str(ro)])
   assert len(list((store_dir / "hard" / "host-0").glob("*.manifest"))) == 2
+
+
+# ------------------------------------------- found by red-teaming restore
+def test_a_restored_state_owns_its_memory_later_saves_do_not_change_it(store_dir):
+  """keep=1: the next saves reuse the slots the restore read from."""
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as mgr:
+    refs = save_steps(mgr, [1, 2])
+    r = mgr.restore(abstract())
+    save_steps(mgr, [3, 4])
+    assert r.step == 2
+    assert_bitwise_equal(refs[2], r.state)
+
+
+def test_truncating_a_slot_after_restore_cannot_crash_the_restored_state(store_dir):
+  script = textwrap.dedent(f"""
+      import os, jax, numpy as np, snapstore
+      jax.config.update("jax_platforms", "cpu")
+      opts = snapstore.SnapshotOptions(store_dir={str(store_dir)!r}, run_id="hard")
+      w = np.arange(1 << 16, dtype=np.float32)
+      with snapstore.SnapshotManager(opts) as mgr:
+        mgr.save(1, {{"w": jax.numpy.asarray(w)}})
+        mgr.wait_until_finished()
+        r = mgr.restore({{"w": jax.ShapeDtypeStruct(w.shape, w.dtype)}})
+        for p in (mgr.backend.stores[0].root).glob("slot-*.bin"):
+          os.truncate(p, 0)
+        assert np.asarray(r.state["w"]).tobytes() == w.tobytes()
+      print("ok")
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-500:])
+
+
+def test_steps_beyond_ten_digits_are_saved_and_restored_and_absurd_ones_refused(store_dir):
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr.save(10**12, state_at(1))
+    mgr.wait_until_finished()
+    assert mgr.restore(abstract()).step == 10**12
+    with pytest.raises(ValueError, match="step"):
+      mgr.save(2**70, state_at(2))
+    mgr.save(10**12 + 1, state_at(3))  # the manager still works
+    mgr.wait_until_finished()
+    r = mgr.restore(abstract())
+  assert r.step == 10**12 + 1
+  assert_bitwise_equal(host_copy(state_at(3)), r.state)
+
+
+def test_nan_scalars_and_extras_restore_and_a_store_that_lies_is_not_believed(store_dir):
+  import dataclasses
+  devs = jax.devices()
+  with snapstore.SnapshotManager(opts(store_dir, store=snapstore.StoreKind.HOST_FILES,
+                                      keep=3),
+                                 slices={0: devs[:4], 1: devs[4:]}) as mgr:
+    for s in (1, 2):
+      mgr.save(s, dict(state_at(s), loss=float("nan"), flag=True), extra={"x": float("nan")})
+    mgr.wait_until_finished()
+    target = dict(abstract(), loss=0.0, flag=False)
+    r = mgr.restore(target)
+    assert r.step == 2 and r.state["loss"] != r.state["loss"] and r.extra["x"] != r.extra["x"]
+    store1 = mgr.backend.stores[1]
+    m = next(m for m in store1.manifests() if m.step == 2)
+    flag = next(i for i, s in enumerate(m.leaves) if s.path == "flag")
+    store1.commit(dataclasses.replace(m, scalars={**m.scalars, flag: 1.0}))
+    assert mgr.restore(target).step == 1  # True vs 1.0: the stores disagree
+
+
+def test_hostile_manifests_are_refused_cheaply(store_dir):
+  """A manifest of 3000 tiny diagonal pieces (a grid of 9M cells) and an
+  envelope claiming 8M entries are refused without quadratic time or memory."""
+  import dataclasses
+
+  import msgpack
+
+  from snapstore._manifest import PieceRecord
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    save_steps(mgr, [1])
+    (path,) = host_root(mgr).glob("step-*.manifest")
+  m = decode(path.read_bytes())
+  w = next(i for i, s in enumerate(m.leaves) if s.path == "w")
+  big = dataclasses.replace(m.leaves[w], shape=(3000, 3000))
+  leaves = tuple(big if i == w else s for i, s in enumerate(m.leaves))
+  pieces = tuple(PieceRecord(w, ((i, i + 1), (i, i + 1)), 0, 4, (0,), 0) for i in range(3000))
+  from snapstore._layout import tree_digest
+  hostile = dataclasses.replace(m, leaves=leaves, pieces=pieces, tree_digest=tree_digest(leaves))
+  with pytest.raises(snapstore.CorruptSnapshotError, match="overlap"):
+    decode(encode(hostile))
+  bomb = b"\xdd" + (8 << 20).to_bytes(4, "big") + b"\x90" * (8 << 20)
+  with pytest.raises(snapstore.CorruptSnapshotError, match="max_array_len"):
+    decode(bomb)
+
+
+def test_odd_keys_and_a_progress_directory_get_clear_errors_or_go_on(store_dir):
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    with pytest.raises(snapstore.UnsupportedLeafError, match="share the key path"):
+      mgr.save(1, {"a/b": np.zeros(2), "a": {"b": np.ones(2)}})
+    with pytest.raises(snapstore.UnsupportedLeafError, match="UTF-8"):
+      mgr.save(1, {"bad\ud800": np.zeros(2)})
+    root = host_root(mgr)
+    (root / "PROGRESS").unlink(missing_ok=True)
+    (root / "PROGRESS").mkdir()
+    refs = save_steps(mgr, [2])
+    r = mgr.restore(abstract())
+  assert r.step == 2
+  assert_bitwise_equal(refs[2], r.state)

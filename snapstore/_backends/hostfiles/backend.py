@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import ChecksumKind, crc_matches, piece_key
+from ..._checksum import ChecksumKind, copy_verified, piece_key
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
 from ..._manifest import Manifest, PieceRecord
@@ -106,12 +106,17 @@ class HostFilesBackend(DomainStores):
       buf = self.stores[copy.store].read_buffer(copy.slot, copy.slot_bytes)
     except (OSError, ValueError) as e:  # CorruptSnapshotError is a ValueError
       raise BadCopy(copy.key(plan.step), spec.path, why=f"unreadable ({e})") from e
-    raw = buf[rec.offset: rec.offset + rec.nbytes]
-    if rec.kind is not ChecksumKind.CRC32C or not crc_matches(
-        raw, rec.checksum, chunk_bytes=plan.chunk_bytes,
-        key=piece_key(spec.path, rec.index), pool=self._pool):
+    # A private copy, checked as it is made: the slot is shared memory that a
+    # later save (or another process) may rewrite or shrink, and device_put
+    # may alias a page-aligned host buffer instead of copying it.
+    got = (copy_verified(buf[rec.offset: rec.offset + rec.nbytes], rec.checksum,
+                         chunk_bytes=plan.chunk_bytes, key=piece_key(spec.path, rec.index),
+                         pool=self._pool)
+           if rec.kind is ChecksumKind.CRC32C else None)
+    del buf
+    if got is None:
       raise BadCopy(copy.key(plan.step), spec.path)
-    return raw.view(spec.np_dtype).reshape(shape_of(rec.index))
+    return got.view(spec.np_dtype).reshape(shape_of(rec.index))
 
   def place_leaf(self, assembler: Assembler, leaf: int, sharding: jax.sharding.Sharding,
                  wanted: Sequence[tuple[jax.Device, Index]]) -> None:

@@ -24,7 +24,6 @@ length by our own doing.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import logging
 import mmap
@@ -44,7 +43,7 @@ from ..base import NO_PROGRESS
 
 logger = logging.getLogger(__name__)
 
-_MANIFEST_RE = re.compile(r"^step-(\d{10})-inc(\d{1,19})\.manifest$")
+_MANIFEST_RE = re.compile(r"^step-(\d{10,19})-inc(\d{1,19})\.manifest$")
 _SLOT_RE = re.compile(r"^slot-(\d{1,9})\.bin$")
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
@@ -124,8 +123,9 @@ class HostStore:
     self.num_slots = keep + 1
     self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
     self._inodes: dict[int, int] = {}  # slot -> inode of the file we mapped
-    # path -> ((mtime_ns, size, ino), manifest): decode each file version once.
-    self._decoded: dict[Path, tuple[tuple[int, int, int], Manifest]] = {}
+    # path -> ((mtime_ns, size, ino), manifest or why not): decode each file
+    # version once; only the files there now are kept.
+    self._decoded: dict[Path, tuple[tuple[int, int, int], Manifest | str]] = {}
     secure_dir(self.root.parent.parent, create=True, shared_ok=True)
     secure_dir(self.root.parent, create=True)
     secure_dir(self.root, create=True)
@@ -317,10 +317,8 @@ class HostStore:
     try:
       write_atomic(self.root / "PROGRESS",
                    msgpack.packb({"step": step, "incarnation": incarnation}))
-    except OSError as e:
-      if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-        raise
-      logger.debug("host %d: progress not written (%s)", self.host, e)
+    except OSError as e:  # advisory (launch reads it): never fail a save for it
+      logger.warning("host %d: progress not written (%s)", self.host, e)
 
   def read_progress(self) -> tuple[int, int]:
     """(newest step asked to save, its incarnation); NO_PROGRESS if none."""
@@ -334,7 +332,7 @@ def read_progress(root: os.PathLike[str] | str) -> tuple[int, int]:
     doc = msgpack.unpackb(read_small(Path(root) / "PROGRESS", 4096), raw=False)
     step, inc = doc["step"], doc["incarnation"]
     if type(step) is not int or type(inc) is not int or not (
-        0 <= step < 2**62 and 0 <= inc < 2**62):
+        0 <= step <= 2**48 and 0 <= inc <= 2**48):
       return NO_PROGRESS
     return step, inc
   except (OSError, ValueError, KeyError, TypeError, errors.SnapstoreError,
@@ -343,32 +341,41 @@ def read_progress(root: os.PathLike[str] | str) -> tuple[int, int]:
 
 
 def scan(root: Path, *, run_id: str, host: int,
-         cache: dict[Path, tuple[tuple[int, int, int], Manifest]] | None = None
+         cache: dict[Path, tuple[tuple[int, int, int], Manifest | str]] | None = None
          ) -> list[tuple[Path, Manifest | None, str | None]]:
   """Every manifest file of one host store, oldest first: (path, manifest,
   None) if valid, else (path, None, why not). Valid: it reads, passes its
   checksum and validation, names this run, this host and the step and
   incarnation of its file name, and its slot file is a regular file. Reads
-  only (``snapstore inspect`` uses it on stores it does not own)."""
+  only (``snapstore inspect`` uses it on stores it does not own). ``cache``
+  keeps each file version's verdict (decoded once), for the files there now."""
   out: list[tuple[Path, Manifest | None, str | None]] = []
+  seen: set[Path] = set()
   for entry in sorted(os.scandir(root), key=lambda e: e.name):
     named = _MANIFEST_RE.match(entry.name)
     if not named:
       continue
     path = Path(entry.path)
+    seen.add(path)
     try:
       st = entry.stat(follow_symlinks=False)
       version = (st.st_mtime_ns, st.st_size, st.st_ino)
       cached = cache.get(path) if cache is not None else None
       if cached is not None and cached[0] == version:
-        m = cached[1]
+        got = cached[1]
       else:
-        m = decode(read_small(path, MAX_MANIFEST_BYTES), what=path.name)
+        try:
+          got = decode(read_small(path, MAX_MANIFEST_BYTES), what=path.name)
+        except errors.CorruptSnapshotError as e:
+          got = str(e)
         if cache is not None:
-          cache[path] = (version, m)
-    except (errors.CorruptSnapshotError, OSError) as e:
-      out.append((path, None, str(e)))
+          cache[path] = (version, got)
+    except OSError as e:
+      got = str(e)
+    if isinstance(got, str):
+      out.append((path, None, got))
       continue
+    m = got
     if m.run_id != run_id:
       out.append((path, None, f"written by run {m.run_id!r}, this is run {run_id!r}"))
       continue
@@ -385,6 +392,9 @@ def scan(root: Path, *, run_id: str, host: int,
                               "regular file"))
       continue
     out.append((path, m, None))
+  if cache is not None:
+    for gone in set(cache) - seen:
+      del cache[gone]
   valid = sorted([e for e in out if e[1] is not None],
                  key=lambda e: (e[1].step, e[1].incarnation))
   return valid + [e for e in out if e[1] is None]
