@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._index import Index, full, normalize, overlaps, shape_of, to_slices
+from ._checksum import aligned_empty
+from ._index import Index, full, normalize, overlaps, shape_of, to_slices, volume
 from ._layout import LeafKind, LeafSpec, target_sharding, wants_numpy
 from ._planner import Copy, CopyKey, StepPlan
 
@@ -45,6 +46,10 @@ class PieceSource(Protocol):
     """The verified bytes of ``copy``, typed and shaped like its piece: a
     numpy array, or a jax.Array (on ``device`` where given). Raises
     :class:`BadCopy` if it fails its checksum or cannot be read."""
+
+  def check(self, plan: StepPlan, copy: Copy) -> None:
+    """Raises :class:`BadCopy` unless ``copy`` matches its checksum (read in
+    place: for copies this process holds but may not use)."""
 
   def place_leaf(self, assembler: Assembler, leaf: int, sharding: jax.sharding.Sharding,
                  wanted: Sequence[tuple[jax.Device, Index]]) -> jax.Array | None:
@@ -98,6 +103,17 @@ class Assembler:
       return got
     return jax.device_put(got, device)
 
+  def check(self, leaf: int, index: Index) -> None:
+    """Verifies every copy of piece (leaf, index) this process holds, in
+    place, without keeping it; the bad ones go to ``self.bad``."""
+    for copy in self.plan.copies[(leaf, index)]:
+      key = copy.key(self.plan.step)
+      if self.source.holds(copy.store) and key not in self.bad:
+        try:
+          self.source.check(self.plan, copy)
+        except BadCopy as e:
+          self.bad[e.key] = e
+
   def region(self, leaf: int, index: Index, device: jax.Device | None) -> tuple[Stored, bool]:
     """The global region ``index`` of ``leaf``, cut from the pieces that
     overlap it: a numpy array where the pieces are on the host, else a
@@ -109,7 +125,8 @@ class Assembler:
     parts = [(dst, self.piece(leaf, pidx, device), src)
              for pidx, dst, src in overlaps(pieces, index)]
     if device is None or not any(isinstance(p, jax.Array) for _, p, _ in parts):
-      out = np.empty(shape_of(index), spec.np_dtype)
+      out = aligned_empty(spec.np_dtype.itemsize * volume(index)).view(
+          spec.np_dtype).reshape(shape_of(index))
       for dst, part, src in parts:
         out[dst] = np.asarray(part)[src]
       return out, True
@@ -159,8 +176,10 @@ def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Regio
         got, _ = region(nidx, device)
         if not isinstance(got, jax.Array):
           host[nidx] = got
+      # ``got`` is private to this restore (a verified copy, or cut anew), so
+      # the device array may adopt it rather than copy it again.
       bufs.append(got if isinstance(got, jax.Array) and device in got.devices()
-                  else jax.device_put(got, device, may_alias=False))
+                  else jax.device_put(got, device, may_alias=True))
     arr = jax.make_array_from_single_device_arrays(spec.shape, on_device, bufs)
   if on_device is not sharding:
     arr = jax.device_put(arr, sharding)

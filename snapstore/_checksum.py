@@ -78,6 +78,14 @@ def crc_chunks(buf: np.ndarray, *, chunk_bytes: int, key: bytes,
                else map(one, starts))
 
 
+def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
+  """An uninitialized, page-aligned uint8 buffer (device_put on CPU can then
+  adopt it instead of copying it once more)."""
+  raw = np.empty(nbytes + align, np.uint8)
+  start = -raw.ctypes.data % align
+  return raw[start:start + nbytes]
+
+
 def copy_verified(src: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key: bytes,
                   pool: futures.Executor | None = None) -> np.ndarray | None:
   """A private copy of ``src``'s bytes whose every chunk matched its recorded
@@ -88,7 +96,7 @@ def copy_verified(src: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key
   starts = _chunk_starts(n, chunk_bytes)
   if len(starts) != len(crcs):
     return None
-  out = np.empty(n, np.uint8)
+  out = aligned_empty(n)
 
   def one(a: int) -> int:
     b = min(a + chunk_bytes, n)

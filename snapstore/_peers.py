@@ -77,15 +77,10 @@ class Distributed:
     """Verifies every copy this host will use, agrees with the others on the
     bad ones (a retry then plans without them), else builds the leaves."""
     plan = assembler.plan
-    local_bad = []
     for (leaf, idx), copies in plan.copies.items():
       if any(c.store == self.host for c in copies):
-        try:
-          assembler.piece(leaf, idx)
-        except BadCopy as e:
-          local_bad.append(e.key)
-    local_bad.extend(k for k in assembler.bad if k not in local_bad)
-    bad = _exchange.gather_bad(local_bad)
+        assembler.check(leaf, idx)  # in place: most of them this host will not use
+    bad = _exchange.gather_bad(list(assembler.bad))
     if bad:
       return Assembled(None, {k: f"checksum mismatch in leaf {plan.specs[k[2]].path!r} "
                                  f"held by host {k[0]}" for k in bad})

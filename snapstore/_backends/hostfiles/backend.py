@@ -16,9 +16,10 @@ from concurrent import futures
 from typing import Any
 
 import jax
+import numpy as np
 
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import ChecksumKind, copy_verified, piece_key
+from ..._checksum import ChecksumKind, copy_verified, crc_matches, piece_key
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
 from ..._manifest import Manifest, PieceRecord
@@ -99,21 +100,33 @@ class HostFilesBackend(DomainStores):
     return nbytes
 
   # --------------------------------------------------------------- restore
-  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None) -> Any:
-    spec = plan.specs[copy.record.leaf]
-    rec = copy.record
+  def _read(self, plan: StepPlan, copy: Copy) -> np.ndarray:
     try:
       buf = self.stores[copy.store].read_buffer(copy.slot, copy.slot_bytes)
     except (OSError, ValueError) as e:  # CorruptSnapshotError is a ValueError
-      raise BadCopy(copy.key(plan.step), spec.path, why=f"unreadable ({e})") from e
+      raise BadCopy(copy.key(plan.step), plan.specs[copy.record.leaf].path,
+                    why=f"unreadable ({e})") from e
+    return buf[copy.record.offset: copy.record.offset + copy.record.nbytes]
+
+  def check(self, plan: StepPlan, copy: Copy) -> None:
+    rec = copy.record
+    path = plan.specs[rec.leaf].path
+    if rec.kind is not ChecksumKind.CRC32C or not crc_matches(
+        self._read(plan, copy), rec.checksum, chunk_bytes=plan.chunk_bytes,
+        key=piece_key(path, rec.index), pool=self._pool):
+      raise BadCopy(copy.key(plan.step), path)
+
+  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None) -> Any:
+    spec = plan.specs[copy.record.leaf]
+    rec = copy.record
+    raw = self._read(plan, copy)
     # A private copy, checked as it is made: the slot is shared memory that a
     # later save (or another process) may rewrite or shrink, and device_put
     # may alias a page-aligned host buffer instead of copying it.
-    got = (copy_verified(buf[rec.offset: rec.offset + rec.nbytes], rec.checksum,
-                         chunk_bytes=plan.chunk_bytes, key=piece_key(spec.path, rec.index),
-                         pool=self._pool)
+    got = (copy_verified(raw, rec.checksum, chunk_bytes=plan.chunk_bytes,
+                         key=piece_key(spec.path, rec.index), pool=self._pool)
            if rec.kind is ChecksumKind.CRC32C else None)
-    del buf
+    del raw
     if got is None:
       raise BadCopy(copy.key(plan.step), spec.path)
     return got.view(spec.np_dtype).reshape(shape_of(rec.index))
