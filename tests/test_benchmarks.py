@@ -103,7 +103,7 @@ def test_mean_rewind_model_limits():
 def test_simulator_predicts_the_rewind_of_real_runs(tmp_path):
   """The small case: checkpoint every 10 steps, 8 SIGKILLs, with and without
   snapshots, real processes. The GCS-only mean rewind must be predicted
-  within 20%; with snapshots (0 or 1 step each) within half a step."""
+  within 20%; with snapshots (0 or 1 step each) no worse than predicted."""
   # 0.2 s steps: a checkpoint's commit (~0.1 s here) stays within one step
   # even when the machine is busy, as in real training.
   measured = _run(rewind, ["--intervals", "10", "--kills", "8", "--seed", "0",
