@@ -71,15 +71,19 @@ def cleanup(path: Path) -> None:
   shutil.rmtree(path, ignore_errors=True)
 
 
-def make_state(nbytes: int):
+def make_state(nbytes: int, leaves: int | None = None):
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
   mesh = jax.make_mesh((2, 4), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sharding = NamedSharding(mesh, P(("data", "model")))
-  leaf_elems = min(4 << 20, nbytes // 4)
-  n = max(1, nbytes // (leaf_elems * 4))
+  if leaves:  # the same bytes over ``leaves`` leaves (per-leaf costs show)
+    leaf_elems = max(8, nbytes // 4 // leaves // 8 * 8)
+    n = leaves
+  else:
+    leaf_elems = min(4 << 20, nbytes // 4)
+    n = max(1, nbytes // (leaf_elems * 4))
   make = jax.jit(lambda k: jax.random.normal(k, (leaf_elems,), jnp.float32),
                  out_shardings=sharding)
   return {f"w{i}": make(jax.random.key(i)) for i in range(n)}, sharding

@@ -9,7 +9,10 @@ devices (a 2x4 mesh, float32 leaves of ~16 MB sharded over all devices):
 * ``restore_gbps``: bytes / ``restore`` time (checksums verified, arrays
   placed on their devices);
 * per-step overhead of ``save`` at interval 1 against the same loop without
-  snapshots, with a step that takes ~10x the copy (a matmul chain).
+  snapshots, with a step that takes ~10x the copy (a matmul chain);
+* ``many_leaves``: the same, with the same bytes split over
+  ``--many-leaves`` leaves (default 500), and its times over the few-leaves
+  case's (per-leaf Python cost shows there).
 
 Ratios to memcpy are the headline: they are measured side by side.
 """
@@ -24,11 +27,11 @@ from benchmarks._common import (calibrated_step, cleanup, emit, make_state, medi
                                 memcpy_bandwidth, ram_dir, setup_cpu_devices)
 
 
-def one_size(mb: int, repeats: int, step_factor: float) -> dict:
+def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = None) -> dict:
   import jax  # noqa: PLC0415
 
   import snapstore  # noqa: PLC0415
-  state, sharding = make_state(mb << 20)
+  state, sharding = make_state(mb << 20, leaves)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   memcpy = memcpy_bandwidth(nbytes)
   store = ram_dir("snapstore-bench-")
@@ -91,13 +94,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--step-factor", type=float, default=10.0,
                  help="step compute time as a multiple of the measured copy time")
+  p.add_argument("--many-leaves", type=int, default=500,
+                 help="also run each size split over this many leaves (0: skip)")
   p.add_argument("--out", default="bench-results/capture.json")
   args = p.parse_args(argv)
   setup_cpu_devices(8)
-  rows = []
+  rows, many = [], []
   for mb in args.mb:
     rows.append(one_size(mb, args.repeats, args.step_factor))
-  emit("capture", {"sizes": rows}, args.out)
+    if args.many_leaves:
+      row = one_size(mb, args.repeats, args.step_factor, args.many_leaves)
+      row["vs_few_leaves"] = {k: row[k] / rows[-1][k] for k in
+                              ("save_complete_s", "save_return_s", "restore_s")}
+      many.append(row)
+  emit("capture", {"sizes": rows, "many_leaves": many}, args.out)
   return 0
 
 

@@ -118,7 +118,10 @@ def _systems(work: Any, mesh: Any, abstract: Any) -> list[Any]:
   return [Snap(), Snap(snapstore.StoreKind.HOST_FILES), OrbaxSnapshotter(), OrbaxRamfs()]
 
 
-def run(mb: int, repeats: int, only: Sequence[str] | None = None) -> dict:
+def run(mb: int, repeats: int, only: Sequence[str] | None = None,
+        leaves: int | None = None) -> dict:
+  """``leaves``: the same bytes split over this many leaves (default: 16 MB
+  leaves)."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
@@ -126,8 +129,11 @@ def run(mb: int, repeats: int, only: Sequence[str] | None = None) -> dict:
   mesh = jax.make_mesh((2, 4), ("replica", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sharding = NamedSharding(mesh, P(None, "model"))
-  elems = min(4 << 20, (mb << 20) // 4)
-  n = max(1, (mb << 20) // (elems * 4))
+  if leaves:
+    elems, n = max(1024, (mb << 20) // 4 // leaves // 1024 * 1024), leaves
+  else:
+    elems = min(4 << 20, (mb << 20) // 4)
+    n = max(1, (mb << 20) // (elems * 4))
   make = jax.jit(lambda k: jax.random.normal(k, (elems // 1024, 1024), jnp.float32),
                  out_shardings=sharding)
   state = {f"w{i}": make(jax.random.key(i)) for i in range(n)}
@@ -167,7 +173,7 @@ def run(mb: int, repeats: int, only: Sequence[str] | None = None) -> dict:
   for other in [n for n in med if n != "snapstore"]:
     for k in ("save_return_s", "save_complete_s", "restore_s"):
       ratios[f"{other}_over_snapstore_{k[:-2]}"] = med[other][k] / snap[k]
-  return {"state_mb": nbytes / 2**20, "systems": med, "ratios": ratios}
+  return {"state_mb": nbytes / 2**20, "leaves": n, "systems": med, "ratios": ratios}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -53,7 +54,14 @@ class StepPlan:
   stores: tuple[int, ...]
 
   def leaf_copies(self, leaf: int) -> dict[Index, tuple[Copy, ...]]:
-    return {idx: c for (lf, idx), c in self.copies.items() if lf == leaf}
+    return self._by_leaf.get(leaf, {})
+
+  @functools.cached_property
+  def _by_leaf(self) -> dict[int, dict[Index, tuple[Copy, ...]]]:
+    out: dict[int, dict[Index, tuple[Copy, ...]]] = {}
+    for (lf, idx), c in self.copies.items():
+      out.setdefault(lf, {})[idx] = c
+    return out
 
 
 def fence(manifests: Iterable[Manifest]) -> list[Manifest]:

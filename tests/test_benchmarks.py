@@ -21,10 +21,13 @@ def _positive(*values):
 
 
 def test_capture_benchmark_smoke(tmp_path, capsys):
-  result = _run(capture, ["--mb", "8", "--repeats", "2", "--step-factor", "2"],
-                tmp_path / "capture.json")
+  result = _run(capture, ["--mb", "8", "--repeats", "2", "--step-factor", "2",
+                          "--many-leaves", "64"], tmp_path / "capture.json")
   assert result["benchmark"] == "capture"
   (row,) = result["sizes"]
+  (many,) = result["many_leaves"]
+  assert many["leaves"] == 64 and many["leaves"] > row["leaves"]
+  _positive(*many["vs_few_leaves"].values())
   _positive(*(row[k] for k in ("memcpy_gbps", "save_gbps", "save_vs_memcpy", "restore_gbps",
                                "restore_vs_memcpy", "step_s_plain", "step_s_snapshot")))
   assert math.isfinite(row["step_overhead"])
