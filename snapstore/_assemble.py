@@ -169,17 +169,25 @@ def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Regio
   arr = fast(on_device, wanted) if fast is not None else None
   if arr is None:
     host: dict[Index, np.ndarray] = {}  # one host region per distinct index
-    bufs = []
+    bufs: list[Any] = []
+    puts: list[int] = []  # positions in bufs of host regions still to put
     for device, nidx in wanted:
       got = host.get(nidx)
       if got is None:
         got, _ = region(nidx, device)
         if not isinstance(got, jax.Array):
           host[nidx] = got
-      # ``got`` is private to this restore (a verified copy, or cut anew), so
-      # the device array may adopt it rather than copy it again.
-      bufs.append(got if isinstance(got, jax.Array) and device in got.devices()
-                  else jax.device_put(got, device, may_alias=True))
+      if not isinstance(got, jax.Array):
+        puts.append(len(bufs))
+      elif device not in got.devices():
+        got = jax.device_put(got, device)
+      bufs.append(got)
+    if puts:  # one batched put; ``bufs`` are private to this restore (verified
+      # copies, or cut anew), so the device arrays may adopt them
+      placed = jax.device_put([bufs[i] for i in puts], [wanted[i][0] for i in puts],
+                              may_alias=True)
+      for i, a in zip(puts, placed):
+        bufs[i] = a
     arr = jax.make_array_from_single_device_arrays(spec.shape, on_device, bufs)
   if on_device is not sharding:
     arr = jax.device_put(arr, sharding)

@@ -125,10 +125,13 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
       c = Copy(m.host, m.slot, p, slot_bytes)
       if c.key(step) not in bad:
         copies[(p.leaf, p.index)].append(c)
+  by_leaf: dict[int, list[Index]] = collections.defaultdict(list)
+  for lf, idx in copies:
+    by_leaf[lf].append(idx)
   for leaf, spec in enumerate(ref.leaves):
     if spec.kind is LeafKind.SCALAR:
       continue
-    indices = [idx for (lf, idx) in copies if lf == leaf]
+    indices = by_leaf.get(leaf, [])
     if not tiles(indices, spec.shape):
       have = sum(volume(idx) for idx in indices)
       why = (f"step {step}: leaf {spec.path!r} has no complete set of surviving copies "

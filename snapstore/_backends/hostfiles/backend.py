@@ -58,6 +58,8 @@ class HostFilesBackend(DomainStores):
                      run_id=options.run_id)
     self._domains = (host_domains(jax.devices(), options.hosts_per_domain)
                      if num_hosts > 1 else None)
+    self._views_plan: StepPlan | None = None  # slot views of the plan being read
+    self._views: dict[tuple[int, int], np.ndarray] = {}
 
 
   def describe(self) -> str:
@@ -101,11 +103,18 @@ class HostFilesBackend(DomainStores):
 
   # --------------------------------------------------------------- restore
   def _read(self, plan: StepPlan, copy: Copy) -> np.ndarray:
-    try:
-      buf = self.stores[copy.store].read_buffer(copy.slot, copy.slot_bytes)
-    except (OSError, ValueError) as e:  # CorruptSnapshotError is a ValueError
-      raise BadCopy(copy.key(plan.step), plan.specs[copy.record.leaf].path,
-                    why=f"unreadable ({e})") from e
+    """The bytes of ``copy``: its slot is opened and its length checked once
+    per plan (not once per piece: a state has thousands)."""
+    if self._views_plan is not plan:
+      self._views_plan, self._views = plan, {}
+    buf = self._views.get((copy.store, copy.slot))
+    if buf is None or buf.nbytes < copy.slot_bytes:
+      try:
+        buf = self.stores[copy.store].read_buffer(copy.slot, copy.slot_bytes)
+      except (OSError, ValueError) as e:  # CorruptSnapshotError is a ValueError
+        raise BadCopy(copy.key(plan.step), plan.specs[copy.record.leaf].path,
+                      why=f"unreadable ({e})") from e
+      self._views[(copy.store, copy.slot)] = buf
     return buf[copy.record.offset: copy.record.offset + copy.record.nbytes]
 
   def check(self, plan: StepPlan, copy: Copy) -> None:

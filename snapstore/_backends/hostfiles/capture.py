@@ -200,22 +200,42 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   crc32c per chunk (``ChecksumKind.CRC32C``, seeded by :func:`piece_key`),
   computed while it is hot in cache."""
 
-  def copy_chunk(src: np.ndarray, at: int, a: int, b: int, seed: int) -> int:
-    out = dst[at + a: at + b]
-    np.copyto(out, src[a:b])
-    return crc32c.crc32c(out, seed)
+  Chunk = tuple[np.ndarray, int, int, int, int]  # (source, at, start, end, seed)
 
-  jobs = []
+  def copy_chunks(batch: list[Chunk]) -> list[int]:
+    out = []
+    for src, at, a, b, seed in batch:
+      dst_chunk = dst[at + a: at + b]
+      np.copyto(dst_chunk, src[a:b])
+      out.append(crc32c.crc32c(dst_chunk, seed))
+    return out
+
+  chunks: list[Chunk] = []
+  per_piece: list[int] = []  # chunks of each piece, in order
   for source, piece, at in zip(cap.sources, cap.pieces, offsets):
     src = _bytes_of(source())
     if src.nbytes != piece.nbytes:
       raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, "
                        f"expected {piece.nbytes}")
     key = piece_key(cap.specs[piece.leaf].path, piece.index)
-    jobs.append([pool.submit(copy_chunk, src, at, a, min(a + chunk_bytes, src.nbytes),
-                             chunk_seed(key, a // chunk_bytes))
-                 for a in range(0, max(src.nbytes, 1), chunk_bytes)])
-  crcs = [tuple(f.result() for f in fs) for fs in jobs]
+    starts = range(0, max(src.nbytes, 1), chunk_bytes)
+    chunks.extend((src, at, a, min(a + chunk_bytes, src.nbytes), chunk_seed(key, a // chunk_bytes))
+                  for a in starts)
+    per_piece.append(len(starts))
+  # Small pieces travel together: one task per ~chunk_bytes, not one per piece.
+  batches: list[list[Chunk]] = [[]]
+  size = 0
+  for c in chunks:
+    if size >= chunk_bytes:
+      batches.append([])
+      size = 0
+    batches[-1].append(c)
+    size += c[3] - c[2]
+  flat = [crc for f in [pool.submit(copy_chunks, b) for b in batches if b] for crc in f.result()]
+  crcs, at = [], 0
+  for n in per_piece:
+    crcs.append(tuple(flat[at:at + n]))
+    at += n
   cap.release()
   return crcs
 
