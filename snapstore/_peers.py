@@ -22,7 +22,7 @@ from ._assemble import Assembler, BadCopy, build_leaf, full_region
 from ._index import align, to_slices
 from ._layout import LeafKind, LeafSpec, batches, target_sharding, wants_numpy
 from ._manifest import Manifest
-from ._planner import CopyKey, StepPlan
+from ._planner import CopyKey
 
 
 @dataclasses.dataclass(frozen=True)

@@ -342,7 +342,6 @@ def test_hostile_manifests_are_refused_cheaply(store_dir):
   envelope claiming 8M entries are refused without quadratic time or memory."""
   import dataclasses
 
-  import msgpack
 
   from snapstore._manifest import PieceRecord
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:
