@@ -11,8 +11,9 @@ it only through :class:`Backend`:
   then apply retention (:func:`._planner.retention`, a pure function of the
   manifests);
 * ``manifests``: the inventory restore plans from;
-* ``fetch`` / ``place_leaf`` (:class:`._assemble.PieceSource`): one verified
-  piece copy for the single assembler;
+* ``fetch`` / ``check`` / ``place_leaf`` (:class:`._assemble.PieceSource`):
+  one verified piece copy for the single assembler (``fetch`` returns memory
+  of its own; ``check`` verifies in place);
 * ``forget_domains`` / ``set_active_domains``: failure domains lost, or up.
 
 A new backend passes ``tests/test_backends.py`` (the conformance suite) by
