@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks import (capture, checksum, goodput, multihost, overhead, restore, rewind, soak,
-                        vs_orbax, vs_orbax_snapshotter)
+from benchmarks import (capture, checksum, demo_overhead, goodput, multihost, overhead, restore,
+                        rewind, soak, vs_orbax, vs_orbax_snapshotter)
 
 
 def _run(module, argv, out):
@@ -130,3 +130,11 @@ def test_soak_benchmark_recovers_every_kill_bitwise(tmp_path):
   assert result["restores_completed"] >= 1
   assert result["fraction_correct"] == 1.0 and result["partial_restores"] == 0
   assert result["final_state_equal"]
+
+
+def test_demo_overhead_benchmark_smoke(tmp_path):
+  result = _run(demo_overhead, ["--steps", "8", "--step-s", "0.1", "--replica-intervals", "2"],
+                tmp_path / "d.json")
+  _positive(result["snapshots_off"]["median_step_s"],
+            result["replica_interval"]["2"]["median_step_s"])
+  assert math.isfinite(result["replica_interval"]["2"]["overhead_mean"])
