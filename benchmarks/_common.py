@@ -113,3 +113,29 @@ def calibrated_step(state: Any, sharding: Any, seconds: float) -> tuple[Any, Any
     if time.perf_counter() - t >= seconds or iters > 1 << 16:
       return fn, x, iters
     iters *= 2
+
+
+def demo_job(work: Path, name: str, steps: int, worker_args: Sequence[str], *,
+             num_hosts: int, kills: Sequence[Any] = (), timeout_s: float = 600,
+             env: dict[str, str] | None = None) -> tuple[list[Any], Path]:
+  """Runs the demo's worker (``snapstore.demo.worker``) as a job named
+  ``name`` under ``snapstore launch`` in ``work``: its store in
+  ``work/store-<name>``, its reports and logs in ``work/<name>``, one
+  incarnation more than there are kills. Returns (incarnations, report dir)."""
+  from snapstore.launch import launch  # noqa: PLC0415
+  out, store = work / name, work / f"store-{name}"
+  out.mkdir()
+  incs = launch("snapstore.demo.worker",
+                ["--steps", str(steps), "--out", str(out), "--store", str(store),
+                 "--run-id", name, *worker_args],
+                num_hosts=num_hosts, devices_per_host=2, store_dir=store, run_id=name,
+                kills=kills, max_incarnations=len(kills) + 1, timeout_s=timeout_s,
+                log_dir=out, env=env)
+  return incs, out
+
+
+def step_intervals(report: dict[str, Any], skip: int = 3) -> list[float]:
+  """Seconds between consecutive steps of one worker report, past the first
+  ``skip`` (compilation)."""
+  times = [report["times"][k] for k in sorted(report["times"], key=int)]
+  return [b - a for a, b in zip(times[skip:], times[skip + 1:])]

@@ -16,22 +16,13 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks._common import cleanup, emit, ram_dir
+from benchmarks._common import cleanup, demo_job, emit, ram_dir, step_intervals
 
 
 def _job(work: Path, name: str, steps: int, step_s: float, extra: list[str]) -> dict:
-  from snapstore.launch import launch  # noqa: PLC0415
-  out = work / name
-  out.mkdir()
-  launch("snapstore.demo.worker",
-         ["--steps", str(steps), "--out", str(out), "--store", str(work / f"store-{name}"),
-          "--hosts-per-domain", "2", "--min-step-s", str(step_s), "--no-digest-restore",
-          *extra],
-         num_hosts=4, devices_per_host=2, store_dir=work / f"store-{name}", run_id="job",
-         max_incarnations=1, timeout_s=600, log_dir=out)
-  rep = json.loads((out / "inc0-host0.json").read_text())
-  times = [rep["times"][k] for k in sorted(rep["times"], key=int)]
-  steps_s = [b - a for a, b in zip(times[3:], times[4:])]  # past compilation
+  _, out = demo_job(work, name, steps, ["--hosts-per-domain", "2", "--min-step-s", str(step_s),
+                                         "--no-digest-restore", *extra], num_hosts=4)
+  steps_s = step_intervals(json.loads((out / "inc0-host0.json").read_text()))
   return {"median_step_s": statistics.median(steps_s), "mean_step_s": statistics.mean(steps_s)}
 
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks._common import cleanup, emit, ram_dir
+from benchmarks._common import cleanup, demo_job, emit, ram_dir, step_intervals
 
 
 def _kill_steps(interval: int, kills: int, rng: random.Random) -> list[int]:
@@ -40,9 +40,7 @@ def _kill_steps(interval: int, kills: int, rng: random.Random) -> list[int]:
 
 def _run(work: Path, name: str, interval: int, kill_steps: list[int], snapshots: bool,
          env: dict[str, str], step_s: float) -> dict:
-  from snapstore.launch import Kill, launch  # noqa: PLC0415
-  out, store = work / name, work / f"store-{name}"
-  out.mkdir()
+  from snapstore.launch import Kill  # noqa: PLC0415
   steps = kill_steps[-1] + 3
   ckpt = work / f"ckpt-{name}"
   seen: dict[str, float] = {}  # checkpoint step -> when its directory became final
@@ -57,14 +55,12 @@ def _run(work: Path, name: str, interval: int, kill_steps: list[int], snapshots:
   watcher = threading.Thread(target=watch, daemon=True)
   watcher.start()
   try:
-    incs = launch("snapstore.demo.worker",
-                ["--steps", str(steps), "--out", str(out), "--store", str(store),
-                 "--run-id", name, "--persistent", str(ckpt),
-                 "--checkpoint-every", str(interval), "--snapshots", str(int(snapshots)),
-                 "--no-digest-restore", "--min-step-s", str(step_s)],
-                num_hosts=1, devices_per_host=2, store_dir=store, run_id=name,
-                kills=[Kill(0, s, incarnation=i) for i, s in enumerate(kill_steps)],
-                max_incarnations=len(kill_steps) + 1, timeout_s=900, log_dir=out, env=env)
+    incs, out = demo_job(
+        work, name, steps,
+        ["--persistent", str(ckpt), "--checkpoint-every", str(interval),
+         "--snapshots", str(int(snapshots)), "--no-digest-restore", "--min-step-s", str(step_s)],
+        num_hosts=1, kills=[Kill(0, s, incarnation=i) for i, s in enumerate(kill_steps)],
+        timeout_s=900, env=env)
   finally:
     done.set()
     watcher.join()
@@ -74,8 +70,7 @@ def _run(work: Path, name: str, interval: int, kill_steps: list[int], snapshots:
   # (compilation).
   diffs = []
   for rep in reports:
-    times = [rep["times"][k] for k in sorted(rep["times"], key=int)]
-    diffs += [b - a for a, b in zip(times[2:], times[3:])]
+    diffs += step_intervals(rep, skip=2)
   step_s = statistics.median(diffs)
   # Snapshot commit time (capture + drain), pooled over the incarnations.
   ms = [rep["save_metrics"] for rep in reports if "save_metrics" in rep]

@@ -28,24 +28,18 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks._common import cleanup, emit, ram_dir
+from benchmarks._common import cleanup, demo_job, emit, ram_dir
 
 PHASES = (None, None, "capture", "replica", "manifest", "restore")
 GAP = 3  # steps between kills
 
 
 def _job(work: Path, name: str, hosts: int, steps: int, kills: list, env: dict) -> list:
-  from snapstore.launch import launch  # noqa: PLC0415
-  out, store = work / name, work / f"store-{name}"
-  out.mkdir()
-  return launch("snapstore.demo.worker",
-                ["--steps", str(steps), "--out", str(out), "--store", str(store),
-                 "--run-id", name, "--persistent", str(work / f"ckpt-{name}"),
-                 "--checkpoint-every", "10", "--hosts-per-domain", "1",
-                 "--digest-every-step", "--min-step-s", "0.05"],
-                num_hosts=hosts, devices_per_host=2, store_dir=store, run_id=name,
-                kills=kills, max_incarnations=len(kills) + 1, timeout_s=300 + 60 * len(kills),
-                log_dir=out, env=env)
+  incs, _ = demo_job(work, name, steps,
+                     ["--persistent", str(work / f"ckpt-{name}"), "--checkpoint-every", "10",
+                      "--hosts-per-domain", "1", "--digest-every-step", "--min-step-s", "0.05"],
+                     num_hosts=hosts, kills=kills, timeout_s=300 + 60 * len(kills), env=env)
+  return incs
 
 
 def draw_kills(n: int, hosts: int, rng: random.Random) -> list:
