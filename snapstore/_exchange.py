@@ -1,13 +1,14 @@
 """Multi-host restore: inventories exchanged, missing pieces moved by JAX.
 
 Every call here is collective: all processes of the restarted job call it in
-the same order. Small metadata goes through
-``multihost_utils.process_allgather``; array bytes go through XLA (a jitted
-reduction over a host axis), never through a socket of snapstore's own.
+the same order. Metadata and array bytes alike go through XLA (one jitted
+all-reduce over the job's devices in :func:`._group.devices` order), never
+through a socket of snapstore's own.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import msgpack
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from . import _group
 from ._index import Index, covered, normalize, volume
 from ._manifest import Manifest, decode, encode
 from ._planner import Copy, StepPlan
@@ -25,12 +26,15 @@ from ._planner import Copy, StepPlan
 
 def allgather_bytes(blob: bytes) -> list[bytes]:
   """Every process's ``blob``, in process order."""
-  n = np.asarray(multihost_utils.process_allgather(np.array([len(blob)], np.int64)))
-  size = int(n.max())
-  buf = np.zeros(max(size, 1), np.uint8)
-  buf[:len(blob)] = np.frombuffer(blob, np.uint8)
-  every = np.asarray(multihost_utils.process_allgather(buf))
-  return [every[i, :int(n[i, 0])].tobytes() for i in range(every.shape[0])]
+  n, me = jax.process_count(), jax.process_index()
+  lengths = np.zeros(n, np.int64)
+  lengths[me] = len(blob)
+  lengths = sum_bytes(lengths.view(np.uint8)).view(np.int64)
+  size = max(int(lengths.max()), 1)
+  buf = np.zeros(n * size, np.uint8)
+  buf[me * size: me * size + len(blob)] = np.frombuffer(blob, np.uint8)
+  every = sum_bytes(buf)
+  return [every[i * size: i * size + int(lengths[i])].tobytes() for i in range(n)]
 
 
 def gather_manifests(local: Sequence[Manifest]) -> list[Manifest]:
@@ -42,7 +46,8 @@ def gather_manifests(local: Sequence[Manifest]) -> list[Manifest]:
 
 
 def gather_ints(value: Sequence[int]) -> np.ndarray:
-  return np.asarray(multihost_utils.process_allgather(np.asarray(value, np.int64)))
+  blobs = allgather_bytes(np.asarray(value, np.int64).tobytes())
+  return np.stack([np.frombuffer(b, np.int64) for b in blobs])
 
 
 def chosen_source(copies: Sequence[Copy]) -> Copy:
@@ -68,8 +73,13 @@ def locally_coverable(plan: StepPlan, leaf: int, sharding: jax.sharding.Sharding
 BATCH_BYTES = 64 << 20
 
 
-def _sum_over_hosts(x: jax.Array) -> jax.Array:
-  return jnp.sum(x, axis=0, dtype=jnp.uint8)
+_AXIS = "snapstore_all"
+
+
+@functools.lru_cache(maxsize=8)
+def _sum_fn(mesh: Mesh) -> Any:
+  return jax.jit(lambda g: jnp.sum(g, axis=0, dtype=jnp.uint8),
+                 out_shardings=NamedSharding(mesh, P()))
 
 
 def sum_bytes(contribution: np.ndarray) -> np.ndarray:
@@ -77,25 +87,22 @@ def sum_bytes(contribution: np.ndarray) -> np.ndarray:
   everywhere) and returns the total on every process.
 
   Callers give each byte a non-zero value on at most one process, so the sum
-  is that byte, exact. The bytes travel by one jitted reduction over a
-  ``(hosts, local)`` mesh; the result is sharded over the local devices, so
-  each process holds it once.
+  is that byte, exact. The bytes travel by one jitted all-reduce over every
+  device of the job in :func:`._group.devices` order (one communicator, keyed
+  by that order: see :mod:`._group`); a process's first local device carries
+  its contribution, the others zeros.
   """
-  devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
-  mesh = Mesh(devices.reshape(jax.process_count(), -1), ("hosts", "local"))
-  n_local = mesh.shape["local"]
-  size = contribution.size
-  padded = -(-max(size, 1) // n_local) * n_local
-  mine = np.zeros(padded, np.uint8)
-  mine[:size] = contribution
-  per = padded // n_local
-  local = sorted(jax.local_devices(), key=lambda d: d.id)
-  parts = [jax.device_put(mine[None, j * per:(j + 1) * per], d) for j, d in enumerate(local)]
+  mesh = Mesh(np.array(_group.devices()), (_AXIS,))
+  size = max(contribution.size, 1)
+  mine = np.zeros((1, size), np.uint8)
+  mine[0, :contribution.size] = contribution
+  zeros = np.zeros_like(mine)
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  parts = [jax.device_put(mine if i == 0 else zeros, d) for i, d in enumerate(local)]
   g = jax.make_array_from_single_device_arrays(
-      (jax.process_count(), padded), NamedSharding(mesh, P("hosts", "local")), parts)
-  total = jax.jit(_sum_over_hosts, out_shardings=NamedSharding(mesh, P("local")))(g)
-  shards = sorted(total.addressable_shards, key=lambda sh: sh.index[0].start or 0)
-  return np.concatenate([np.asarray(sh.data) for sh in shards])[:size]
+      (mesh.size, size), NamedSharding(mesh, P(_AXIS)), parts)
+  total = _sum_fn(mesh)(g)
+  return np.asarray(total.addressable_shards[0].data)[:contribution.size]
 
 
 def gather_bad(local_bad: Sequence[tuple[int, int, int, Index]]) -> list[Any]:

@@ -217,7 +217,10 @@ class SnapshotManager:
     timings: dict[str, float] = {}
     target_specs, targets, treedef = flatten(abstract_state)
     manifests = self._peers.gather_manifests(self.backend.manifests())
-    newest = self._peers.agree_max(max([self._newest_step] + [m.step for m in manifests]))
+    # one incarnation for everyone from here: a replacement that joined a
+    # running job (in-place recovery) may not know the one the others reached.
+    newest, self.incarnation = self._peers.agree_max(
+        max([self._newest_step] + [m.step for m in manifests]), self.incarnation)
     timings["scan"] = time.perf_counter() - t0
     persistent_steps = [s for s in (self.persistent.committed_steps() if self.persistent
                                     else []) if step is None or s == step]

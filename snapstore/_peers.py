@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _exchange, _faults
+from . import _exchange, _faults, _group
 from ._assemble import Assembler, BadCopy, build_leaf, full_region
 from ._index import align, to_slices
 from ._layout import LeafKind, LeafSpec, batches, target_sharding, wants_numpy
@@ -44,8 +44,8 @@ class Solo:
   def gather_manifests(self, local: Sequence[Manifest]) -> list[Manifest]:
     return list(local)
 
-  def agree_max(self, value: int) -> int:
-    return value
+  def agree_max(self, *values: int) -> Any:
+    return values[0] if len(values) == 1 else values
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
@@ -69,8 +69,11 @@ class Distributed:
   def gather_manifests(self, local: Sequence[Manifest]) -> list[Manifest]:
     return _exchange.gather_manifests(local)
 
-  def agree_max(self, value: int) -> int:
-    return int(_exchange.gather_ints([value]).max())
+  def agree_max(self, *values: int) -> Any:
+    """The maximum of each value over every process: an int for one value,
+    else a tuple."""
+    top = tuple(int(v) for v in _exchange.gather_ints(list(values)).max(axis=0))
+    return top[0] if len(top) == 1 else top
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
@@ -93,7 +96,7 @@ class Distributed:
     else move the pieces with batched JAX reductions."""
     plan = assembler.plan
     by_path = {s.path: i for i, s in enumerate(plan.specs)}
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    mesh = jax.sharding.Mesh(np.array(_group.devices()), ("all",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     out: list[Any] = [None] * len(target_specs)
     moved: list[int] = []  # positions in target_specs whose pieces must travel

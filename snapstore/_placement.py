@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from . import _group
 from ._index import Index, normalize
 
 
@@ -114,9 +115,8 @@ _AXIS = "snapstore_devices"
 
 
 def _device_mesh() -> Mesh:
-  """All devices on one axis, in the same order on every process."""
-  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  return Mesh(np.array(devices), (_AXIS,))
+  """All devices on one axis, in the order every process agrees on."""
+  return Mesh(np.array(_group.devices()), (_AXIS,))
 
 
 def ring_permutable(arr: jax.Array) -> bool:

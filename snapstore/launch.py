@@ -76,7 +76,10 @@ class Incarnation:
   exit_codes: dict[int, int] = dataclasses.field(default_factory=dict)
   killed: list[int] = dataclasses.field(default_factory=list)
   kill_time: float | None = None
-  restore: dict[str, Any] | None = None  # host 0's RestoreResult.summary()
+  restore: dict[str, Any] | None = None  # host 0's first RestoreResult.summary()
+  restores: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # all of them
+  replaced: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # in place
+  fallback: str | None = None  # why an in-place job restarted in full
   digests: dict[str, str] = dataclasses.field(default_factory=dict)  # step -> state digest
 
   @property
@@ -96,6 +99,7 @@ class Incarnation:
 
 REPORT_DIR_ENV = "SNAPSTORE_REPORT_DIR"
 INCARNATION_ENV = "SNAPSTORE_INCARNATION"
+IN_PLACE_ENV = "SNAPSTORE_IN_PLACE"
 
 
 def incarnation_from_env() -> int | None:
@@ -105,12 +109,16 @@ def incarnation_from_env() -> int | None:
 
 
 def report_restore(summary: dict[str, Any], incarnation: int) -> None:
-  """Under :func:`launch` (``SNAPSTORE_REPORT_DIR`` set): writes host 0's
-  restore summary where the supervisor reads it for its incarnation report."""
+  """Under :func:`launch` (``SNAPSTORE_REPORT_DIR`` set): records host 0's
+  restore summary where the supervisor reads it for its incarnation report
+  (one job incarnation may restore several times when it recovers in place)."""
   where = os.environ.get(REPORT_DIR_ENV)
   if where:
-    doc = dict(summary, incarnation=incarnation, time=time.time())
-    write_atomic(Path(where) / f"restore-inc{incarnation}.json", json.dumps(doc).encode())
+    job = incarnation_from_env()
+    path = Path(where) / f"restore-inc{incarnation if job is None else job}.json"
+    doc = json.loads(path.read_text()) if path.exists() else []
+    doc.append(dict(summary, incarnation=incarnation, time=time.time()))
+    write_atomic(path, json.dumps(doc).encode())
 
 
 def report_digest(step: int, digest: str, incarnation: int) -> None:
@@ -135,10 +143,20 @@ def init_from_env() -> tuple[int, int, int]:
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", int(env["SNAPSTORE_DEVICES_PER_HOST"]))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
-                             heartbeat_timeout_seconds=10,
-                             coordinator_bind_address=env.get("SNAPSTORE_COORDINATOR_BIND"))
+  if env.get(IN_PLACE_ENV) == "1":
+    from . import recovery  # noqa: PLC0415
+    recovery.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
+                        bind_address=env.get("SNAPSTORE_COORDINATOR_BIND"))
+  else:
+    jax.distributed.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
+                               heartbeat_timeout_seconds=10,
+                               coordinator_bind_address=env.get("SNAPSTORE_COORDINATOR_BIND"))
   return host, num_hosts, int(env["SNAPSTORE_INCARNATION"])
+
+
+def in_place_from_env() -> bool:
+  """True in a worker that ``launch(in_place=True)`` started."""
+  return os.environ.get(IN_PLACE_ENV) == "1"
 
 
 def _reserve_port(host: str) -> socket.socket:
@@ -157,7 +175,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
            timeout_s: float = 300.0, log_dir: str | os.PathLike[str] | None = None,
            env: dict[str, str] | None = None,
            between: Callable[[Incarnation], None] | None = None,
-           bind_address: str = "127.0.0.1") -> list[Incarnation]:
+           bind_address: str = "127.0.0.1", in_place: bool = False,
+           host_service: bool = True, max_replacements: int = 8) -> list[Incarnation]:
   """Runs ``python -m module args`` on ``num_hosts`` local processes until all
   exit 0, restarting the whole job after a failure.
 
@@ -165,6 +184,16 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   by default). A kill the supervisor cannot see happen (its host never
   reports the step in ``store_dir``: is the worker's store elsewhere?) is an
   error, not a silent no-op.
+
+  ``in_place``: the workers recover in place (:mod:`snapstore.recovery`):
+  the supervisor hosts the coordination service, and a worker that dies is
+  replaced alone, with the same host id, while the others keep running
+  (``Incarnation.replaced``). ``host_service=False`` leaves the service in
+  process 0, as ``jax.distributed`` does: losing host 0 then ends the
+  incarnation (a full restart). A worker exiting with
+  ``recovery.RESTART_EXIT_CODE``, more than ``max_replacements``
+  replacements, or a JAX without the APIs it needs restart the whole job
+  instead (``Incarnation.fallback`` says why).
 
   ``shrink_to`` restarts with fewer hosts (the first ``shrink_to`` stores are
   kept). ``between(inc)`` runs after a failed incarnation, before the next
@@ -187,22 +216,36 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     digests.unlink(missing_ok=True)
     pending = [k for k in kills if k.incarnation == number and k.host < hosts]
     armed = {k.host: k for k in pending if k.phase is not None}
-    procs = {}
-    for h in range(hosts):
-      penv = dict(os.environ, **(env or {}))
+    service, extra_env = None, {}
+    if in_place:
+      from . import recovery  # noqa: PLC0415  (imports jax: only when asked)
+      inc.fallback = recovery.unsupported()
+      if inc.fallback is None:
+        extra_env = {IN_PLACE_ENV: "1"}
+        if host_service:
+          service = recovery.start_service(f"{bind_address}:{port}", hosts)
+          extra_env[recovery.SERVICE_ENV] = "external"
+      else:
+        logger.warning("in-place recovery is off, full restarts instead: %s", inc.fallback)
+    attempts = dict.fromkeys(range(hosts), 0)
+
+    def start(h: int) -> subprocess.Popen[bytes]:
+      penv = dict(os.environ, **(env or {}), **extra_env)
       penv.update(SNAPSTORE_COORDINATOR=f"{bind_address}:{port}",
                   SNAPSTORE_COORDINATOR_BIND=f"{bind_address}:{port}",
                   SNAPSTORE_NUM_HOSTS=str(hosts),
                   SNAPSTORE_HOST=str(h), SNAPSTORE_INCARNATION=str(number),
                   SNAPSTORE_DEVICES_PER_HOST=str(devices_per_host),
-                  SNAPSTORE_REPORT_DIR=str(report_dir))
+                  SNAPSTORE_REPORT_DIR=str(report_dir), SNAPSTORE_ATTEMPT=str(attempts[h]))
       penv.pop(_faults.ENV, None)
-      if h in armed:
+      if h in armed and attempts[h] == 0:
         penv[_faults.ENV] = f"{armed[h].phase}@{armed[h].step}"
-      log = (open(Path(log_dir) / f"inc{number}-host{h}.log", "wb")
-             if log_dir else subprocess.DEVNULL)
-      procs[h] = subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
-                                  stdout=log, stderr=subprocess.STDOUT)
+      name = f"inc{number}-host{h}" + (f"-r{attempts[h]}" if attempts[h] else "")
+      log = open(Path(log_dir) / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL
+      return subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
+                              stdout=log, stderr=subprocess.STDOUT)
+
+    procs = {h: start(h) for h in range(hosts)}
     failed = False
     while procs.keys() - inc.exit_codes.keys():
       if time.monotonic() > deadline:
@@ -215,15 +258,32 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
         step = min(k.step for k in due)
         for k in [k for k in pending if k.phase is None and k.step == step]:
           procs[k.host].send_signal(signal.SIGKILL)
+          procs[k.host].wait()
           _record_kill(inc, k, store_dir, run_id)
           pending.remove(k)
       for h, p in procs.items():
-        if h not in inc.exit_codes and p.poll() is not None:
-          inc.exit_codes[h] = p.returncode
-          if p.returncode != 0:
-            failed = True
-          if h in armed and p.returncode == -signal.SIGKILL:
-            _record_kill(inc, armed.pop(h), store_dir, run_id)
+        if h in inc.exit_codes or p.poll() is None:
+          continue
+        code = p.returncode
+        if h in armed and attempts[h] == 0 and code == -signal.SIGKILL:
+          _record_kill(inc, armed.pop(h), store_dir, run_id)
+        if extra_env and code not in (0, recovery.RESTART_EXIT_CODE):
+          if service is None and h == 0:
+            inc.fallback = "host 0 died, and the coordination service died with it"
+          elif len(inc.replaced) < max_replacements:
+            attempts[h] += 1
+            inc.replaced.append({"host": h, "exit_code": code, "died": time.time()})
+            procs[h] = start(h)  # the same host id; the others keep running
+            inc.replaced[-1]["started"] = time.time()
+            logger.info("incarnation %d: host %d exited %d; replaced in place", number, h,
+                        code)
+            continue
+          else:
+            inc.fallback = f"more than {max_replacements} replacements"
+        elif extra_env and code == recovery.RESTART_EXIT_CODE:
+          inc.fallback = f"host {h} asked for a full restart (exit {code})"
+        inc.exit_codes[h] = code
+        failed = failed or code != 0
       if failed:  # the coordination service would abort the rest: do it now.
         for h, p in procs.items():
           if p.poll() is None:
@@ -231,10 +291,13 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
           inc.exit_codes[h] = p.wait()
         break
       time.sleep(POLL_S)
+    if service is not None:
+      service.shutdown()
     reservation.close()
     inc.ended = time.time()
     if report.exists():
-      inc.restore = json.loads(report.read_text())
+      inc.restores = json.loads(report.read_text())
+      inc.restore = inc.restores[0]
     if digests.exists():
       inc.digests = json.loads(digests.read_text())
     unseen = [k for k in pending if k.phase is None]

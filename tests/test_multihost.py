@@ -203,3 +203,71 @@ def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_
           args=["--hosts-per-domain", "2", "--keep", "3"], between=damage)
   r = check_resumed(job.report, reference, lo=seen["expected"], hi=seen["expected"])
   assert any("checksum mismatch" in n and "host 3" in n for n in r["notes"]), r["notes"]
+
+
+# ---------------------------------------------------------------- in place
+def in_place_reports(job, host):
+  """Every report ``host`` wrote in incarnation 0: the first process's, then
+  each replacement's."""
+  reports = [json.loads(p.read_text()) for p in job.out.glob(f"inc0-host{host}.json")]
+  reports += [json.loads(p.read_text()) for p in job.out.glob(f"inc0-host{host}-r*.json")]
+  return sorted(reports, key=lambda r: r["attempt"])
+
+
+def check_in_place(job, reference, *, replaced, restores):
+  """One incarnation; only ``replaced`` hosts were restarted (the others
+  kept their process: one report, one PID); every process's last restore is
+  bitwise the reference at its step, and every later loss equals it."""
+  assert len(job.incs) == 1 and job.incs[0].ok and job.incs[0].fallback is None
+  assert [r["host"] for r in job.incs[0].replaced] == replaced
+  for h in range(HOSTS):
+    reports = in_place_reports(job, h)
+    assert len(reports) == 1 + replaced.count(h), h
+    last = reports[-1]
+    if h not in replaced:  # a survivor: the same process all along
+      assert last["attempt"] == 0 and len(last["recoveries"]) >= 1, last["recoveries"]
+    r = last["restores"][-1]
+    assert r["source"] == "snapshot" and r["rewind_steps"] <= 1, r
+    assert last["digests"][str(r["step"])] == reference["digests"][str(r["step"])]
+    for s in range(r["step"] + 1, STEPS + 1):
+      assert last["losses"][str(s)] == reference["losses"][str(s)], (h, s)
+    assert last["digests"][str(STEPS)] == reference["digests"][str(STEPS)]
+  assert len(job.incs[0].restores) == restores
+  return job.incs[0].restores
+
+
+def test_in_place_heal_survivors_keep_running(reference, tmp_path, cache_dir):
+  kill_step = random.Random(11).randint(4, STEPS - 1)
+  job = Job(tmp_path, cache_dir, "heal").run(
+      [Kill(host=1, step=kill_step, lose_store=True)],
+      args=["--hosts-per-domain", "2"], in_place=True)
+  restores = check_in_place(job, reference, replaced=[1], restores=1)
+  assert restores[0]["bytes_read"]["exchanged"] > 0  # host 1's shards came from peers
+
+
+def test_in_place_survives_losing_process_0(reference, tmp_path, cache_dir):
+  job = Job(tmp_path, cache_dir, "host0").run(
+      [Kill(host=0, step=random.Random(12).randint(4, STEPS - 1), lose_store=True)],
+      args=["--hosts-per-domain", "2"], in_place=True)
+  check_in_place(job, reference, replaced=[0], restores=1)
+
+
+def test_in_place_second_death_during_the_recovery(reference, tmp_path, cache_dir):
+  """Host 3 dies inside the restore that heals host 1's loss: the job heals
+  again and ends bitwise equal, never on a partial state."""
+  job = Job(tmp_path, cache_dir, "twice").run(
+      [Kill(host=1, step=random.Random(13).randint(4, STEPS - 1), lose_store=True),
+       Kill(host=3, step=-1, phase="restore")],
+      args=["--hosts-per-domain", "2"], in_place=True)
+  check_in_place(job, reference, replaced=[1, 3], restores=1)
+
+
+def test_losing_process_0_that_hosts_the_service_falls_back_to_a_full_restart(
+    reference, tmp_path, cache_dir):
+  kill_step = random.Random(14).randint(4, STEPS - 1)
+  job = Job(tmp_path, cache_dir, "fallback").run(
+      [Kill(host=0, step=kill_step, lose_store=True)],
+      args=["--hosts-per-domain", "2"], in_place=True, host_service=False)
+  assert len(job.incs) == 2 and "host 0" in job.incs[0].fallback
+  assert job.incs[0].replaced == [] and job.incs[1].ok
+  check_resumed(job.report, reference, lo=kill_step - 1, hi=kill_step)

@@ -9,6 +9,7 @@ mesh spans ``jax.devices()``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -57,10 +58,13 @@ class TinyTransformer(nnx.Module):
     return self.head(x)
 
 
-def make_mesh() -> Mesh:
-  """A (data, model) mesh over all devices: model = 4 where it divides."""
-  n = jax.device_count()
+def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, model) mesh over ``devices`` in their order (default: all
+  devices, JAX's choice of order): model = 4 where it divides."""
+  n = len(devices) if devices is not None else jax.device_count()
   model = 4 if n % 4 == 0 else 1
+  if devices is not None:
+    return Mesh(np.array(devices).reshape(n // model, model), ("data", "model"))
   return jax.make_mesh((n // model, model), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
@@ -90,6 +94,7 @@ class Trainer:
         lambda x: NamedSharding(self.mesh, _param_spec(x, self.mesh)), params)
     self._params_host = jax.tree.map(np.asarray, params)
     self.batch_sharding = NamedSharding(self.mesh, P("data"))
+    self.replicated = NamedSharding(self.mesh, P())
     self._step = jax.jit(self._train_step, donate_argnums=0)
 
   def init_state(self) -> dict[str, Any]:

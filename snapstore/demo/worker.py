@@ -44,23 +44,28 @@ def main() -> int:
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
   a = p.parse_args()
-  from snapstore.launch import init_from_env, report_digest  # noqa: PLC0415
+  from snapstore.launch import in_place_from_env, init_from_env, report_digest  # noqa: PLC0415
   host, _, inc = init_from_env()
+  import os  # noqa: PLC0415
+
   import numpy as np  # noqa: PLC0415
-  from jax.experimental import multihost_utils  # noqa: PLC0415
 
   import snapstore  # noqa: PLC0415
   from snapstore._manifest import write_atomic  # noqa: PLC0415
-  from snapstore.demo.example import ModelConfig, Trainer  # noqa: PLC0415
+  from snapstore.demo.example import ModelConfig, Trainer, make_mesh  # noqa: PLC0415
 
-  trainer = Trainer(ModelConfig())
+  cfg = ModelConfig()
+  in_place = in_place_from_env()
 
-  def digest(state, step: int) -> str:
+  def digest(trainer: Trainer, state, step: int) -> str:
+    """The global state's sha256 (every host gets every byte: one jitted
+    all-gather on the trainer's mesh)."""
     h = hashlib.sha256()
-    for x in jax.tree.leaves(state):
-      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-      h.update(np.asarray(multihost_utils.process_allgather(x, tiled=True)).tobytes())
+    leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+              else x for x in jax.tree.leaves(state)]
+    whole = jax.jit(lambda xs: xs, out_shardings=trainer.replicated)(leaves)
+    for x in whole:
+      h.update(np.asarray(x.addressable_shards[0].data).tobytes())
     if host == 0:
       report_digest(step, h.hexdigest(), inc)
     return h.hexdigest()
@@ -70,37 +75,94 @@ def main() -> int:
       persistent_interval=a.checkpoint_every, replicas=a.replicas,
       replica_interval=a.replica_interval,
       hosts_per_domain=a.hosts_per_domain)
-  report = {"host": host, "incarnation": inc, "losses": {}, "digests": {}, "times": {},
-            "started": started}
+  attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))
+  report = {"host": host, "incarnation": inc, "attempt": attempt, "pid": os.getpid(),
+            "in_place": in_place, "losses": {}, "digests": {}, "times": {},
+            "started": started, "restores": [], "recoveries": [], "phases": []}
+
+  def mark(name: str) -> None:  # a timeline of this process, for the demo's report
+    report["phases"].append((name, time.time()))
 
   def write() -> None:  # atomically: a SIGKILL must not leave a torn report
     report["save_metrics"] = mgr.metrics.as_dict()
     write_atomic(out, json.dumps(report).encode())
-  out = Path(a.out) / f"inc{inc}-host{host}.json"
-  with snapstore.SnapshotManager(opts, persistent=a.persistent) as mgr:
-    report["restore_start"] = time.time()
+  out = Path(a.out) / (f"inc{inc}-host{host}" + (f"-r{attempt}" if attempt else "") + ".json")
+
+  def restore_or_init(trainer: Trainer):
+    t0 = time.time()
     try:
       r = mgr.restore(trainer.abstract_state())
-      state, start = r.state, r.step + 1
-      report["restore"] = r.summary()
-      report["restore_end"] = time.time()
-      if a.digest_restore:
-        report["digests"][r.step] = digest(state, r.step)
     except snapstore.NothingToRestoreError:
-      state, start = trainer.init_state(), 1
+      return trainer.init_state(), 1
+    report["restores"].append(dict(r.summary(), started=t0, ended=time.time()))
+    report.setdefault("restore", report["restores"][-1])
+    report["restore_start"], report["restore_end"] = t0, time.time()
+    if a.digest_restore:
+      report["digests"][r.step] = digest(trainer, r.state, r.step)
+    return r.state, r.step + 1
+
+  def train(trainer: Trainer, state, s: int):
+    t_step = time.perf_counter()
+    state, loss = trainer.step(state, s)
+    loss = float(loss)  # blocks until the step is done everywhere
+    if s == start_of_pass[0]:
+      mark("first step")
+    time.sleep(max(0.0, a.min_step_s - (time.perf_counter() - t_step)))
+    mgr.save(s, state)
+    return state, loss
+
+  def record(trainer: Trainer, state, s: int, loss: float) -> None:
+    report["losses"][s] = loss
+    report["times"][s] = time.time()
+    if a.digest_every_step or s == a.steps:
+      report["digests"][s] = digest(trainer, state, s)
     write()
-    for s in range(start, a.steps + 1):
-      t_step = time.perf_counter()
-      state, loss = trainer.step(state, s)
-      report["losses"][s] = float(loss)
-      time.sleep(max(0.0, a.min_step_s - (time.perf_counter() - t_step)))
-      mgr.save(s, state)
-      report["times"][s] = time.time()
-      if a.digest_every_step or s == a.steps:
-        report["digests"][s] = digest(state, s)
+
+  with snapstore.SnapshotManager(opts, persistent=a.persistent) as mgr:
+    report["restore_start"] = time.time()
+    start_of_pass = [0]
+    if not in_place:
+      trainer = Trainer(cfg)
+      state, start = restore_or_init(trainer)
       write()
+      for s in range(start, a.steps + 1):
+        state, loss = train(trainer, state, s)
+        record(trainer, state, s, loss)
+    else:
+      from snapstore import recovery  # noqa: PLC0415
+      job = recovery.InPlace()
+      trainer, s = None, 0
+      start_of_pass = [0]
+      while s <= a.steps:
+        try:
+          with job.live() as devices:
+            if job.changed:  # the first pass, or the job healed: everyone restores
+              mark("membership")
+              trainer = Trainer(cfg, make_mesh(devices))
+              mark("trainer")
+              state, s = restore_or_init(trainer)
+              start_of_pass[0] = s
+              mark("restored")
+              write()
+            if s <= a.steps:
+              state, loss = train(trainer, state, s)
+          if s <= a.steps:
+            record(trainer, state, s, loss)
+          s += 1
+        except job.FAILURES as e:
+          mark(f"failed: {type(e).__name__}")
+          try:
+            job.failed(e)
+          except recovery.RestartRequired as why:  # launch restarts the whole job
+            report["fallback"] = str(why)
+            write()
+            return recovery.RESTART_EXIT_CODE
+          finally:
+            report["recoveries"] = [r.as_dict() for r in job.recoveries]
     mgr.wait_until_finished()
   write()
+  if in_place:
+    job.close()
   return 0
 
 

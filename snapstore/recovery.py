@@ -1,0 +1,311 @@
+"""In-place recovery for multi-controller jobs: survivors keep running.
+
+With JAX's fault-tolerance mode (``jax_enable_recoverability``,
+``multihost_utils.live_devices``), a process that dies no longer takes the
+others down. :func:`initialize` joins the job in that mode, and
+:class:`InPlace` is the small loop helper around it::
+
+    snapstore.recovery.initialize(coordinator, num_processes, process_id)
+    job = snapstore.recovery.InPlace()
+    while step <= last:
+      try:
+        with job.live() as devices:      # a barrier; every process is in
+          if job.changed:                # first pass, or the job healed
+            mesh = Mesh(np.array(devices).reshape(...), axes)
+            state, step = restore_or_init(mesh)   # mgr.restore(...)
+          state = train_step(state, step)
+          jax.block_until_ready(state)   # the step counts only if all finish it
+          mgr.save(step, state)
+        step += 1
+      except job.FAILURES as e:
+        job.failed(e)                    # raises RestartRequired after K in a row
+
+A survivor keeps its process, its imports, its compiled programs and its RAM
+store. When a host dies, ``live()`` raises on every survivor (the step is
+discarded) and then waits for the replacement that ``snapstore launch`` starts
+with the same process id. Once it is in, ``changed`` is set: everyone
+restores the freshest complete snapshot onto the full mesh, the survivors
+from their own RAM, the replacement from its peers' (``heal``). Continuing
+on fewer devices (``shrink``) is not built.
+
+``devices`` comes in one order all processes agree on, new after each change
+of membership (:mod:`._group` says why); build every mesh from it.
+
+The coordination service normally lives in process 0, so losing process 0
+ends the job. ``snapstore launch --in-place`` hosts it in the supervisor
+(:func:`start_service`), and the workers connect as clients only: a private
+JAX API, guarded by version (:func:`unsupported`). Where in-place recovery is
+not possible, :class:`RestartRequired` tells the caller to exit with
+:data:`RESTART_EXIT_CODE`, and ``launch`` restarts the whole job as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from . import _group
+
+logger = logging.getLogger(__name__)
+
+RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: "restart the whole job", for launch
+SERVICE_ENV = "SNAPSTORE_SERVICE"  # "external": the supervisor hosts the service
+TESTED_JAX = ((0, 10), (0, 12))  # the jax versions whose private APIs this uses
+_ORDERS = "snapstore/orders"  # in the coordination service: every order used
+_LEFT = "snapstore/left"  # processes that reached close() and disconnected
+_STALE_TOPOLOGY_KEY = "cpu:global_topology/cpu"
+
+#: Set on CPU: a gloo collective with a dead peer otherwise hangs for 30 min.
+CPU_FLAGS = ("--xla_cpu_collective_timeout_seconds={timeout}",)
+#: JAX's documented set for GPUs ("Fault Tolerant Distributed JAX").
+GPU_FLAGS = ("--xla_gpu_nccl_terminate_on_error=false",
+             "--xla_gpu_nccl_async_execution=true",
+             "--xla_gpu_nccl_blocking_communicators=false")
+GPU_ENV = {"XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
+           "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"}
+
+
+class RestartRequired(RuntimeError):
+  """In-place recovery is not possible here; exit with
+  :data:`RESTART_EXIT_CODE` and let the supervisor restart the whole job."""
+
+
+class MembersMissing(RuntimeError):
+  """Not every process of the job is live yet (a replacement is starting)."""
+
+
+def unsupported() -> str | None:
+  """Why in-place recovery cannot run with this JAX, or None if it can."""
+  try:
+    from jax._src import distributed  # noqa: PLC0415
+    from jax._src.lib import _jax  # noqa: PLC0415
+    from jax.experimental.multihost_utils import live_devices  # noqa: PLC0415
+  except ImportError as e:
+    return f"jax {jax.__version__} lacks what in-place recovery needs ({e})"
+  version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+  if not TESTED_JAX[0] <= version <= TESTED_JAX[1]:
+    return (f"jax {jax.__version__} is outside the versions in-place recovery was "
+            f"tested with ({TESTED_JAX[0]} to {TESTED_JAX[1]})")
+  needed = [(distributed.global_state, "client"), (_jax, "get_distributed_runtime_client"),
+            (_jax, "get_distributed_runtime_service"), (live_devices, "devices")]
+  missing = [name for obj, name in needed if not hasattr(obj, name)]
+  return f"jax {jax.__version__} lacks {missing}" if missing else None
+
+
+def start_service(bind_address: str, num_processes: int, *,
+                  heartbeat_timeout_s: int = 3) -> Any:
+  """The JAX coordination service, recoverable, hosted by the caller (the
+  supervisor). Keep the returned object alive; ``.shutdown()`` ends it."""
+  from jax._src.lib import _jax  # noqa: PLC0415
+  return _jax.get_distributed_runtime_service(
+      bind_address, num_processes, heartbeat_timeout=heartbeat_timeout_s,
+      shutdown_timeout=10, recoverable=True)
+
+
+def set_flags(*, collective_timeout_s: int = 60) -> None:
+  """XLA flags for recoverable collectives; before the backend starts."""
+  if jax.config.jax_platforms and "cuda" in jax.config.jax_platforms:
+    flags, env = GPU_FLAGS, GPU_ENV
+  elif jax.config.jax_platforms == "cpu":
+    flags, env = tuple(f.format(timeout=collective_timeout_s) for f in CPU_FLAGS), {}
+  else:  # platform chosen later: set both, each is ignored by the other backend
+    flags = GPU_FLAGS + tuple(f.format(timeout=collective_timeout_s) for f in CPU_FLAGS)
+    env = GPU_ENV
+  have = os.environ.get("XLA_FLAGS", "")
+  add = [f for f in flags if f.split("=")[0] not in have]
+  os.environ["XLA_FLAGS"] = " ".join([have, *add]).strip()
+  for k, v in env.items():
+    os.environ.setdefault(k, v)
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
+               external_service: bool | None = None, heartbeat_timeout_s: int = 3,
+               collective_timeout_s: int = 60, bind_address: str | None = None) -> None:
+  """Joins a multi-controller job in JAX's fault-tolerance mode.
+
+  ``external_service`` (default: ``$SNAPSTORE_SERVICE == "external"``): the
+  coordination service runs elsewhere (:func:`start_service`); connect as a
+  client only, so that losing process 0 is survivable. Otherwise process 0
+  hosts it, as ``jax.distributed.initialize`` does. Call before any other
+  JAX use.
+
+  ``collective_timeout_s`` (CPU): how long a gloo collective waits for a peer
+  before it fails. A peer whose process died fails it at once (its sockets
+  close); the timeout is for a peer that is alive but late, so it must exceed
+  the skew between processes (compiling the first step on a loaded machine
+  takes seconds), or a healthy job fails its first step. Raises :class:`RestartRequired` if this JAX cannot do it.
+  """
+  why = unsupported()
+  if why:
+    raise RestartRequired(f"in-place recovery is off: {why}")
+  if external_service is None:
+    external_service = os.environ.get(SERVICE_ENV) == "external"
+  set_flags(collective_timeout_s=collective_timeout_s)
+  jax.config.update("jax_enable_recoverability", True)
+  if not external_service:
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               coordinator_bind_address=bind_address)
+    return
+  from jax._src import distributed  # noqa: PLC0415
+  from jax._src.lib import _jax  # noqa: PLC0415
+  state = distributed.global_state
+  if state.client is not None:
+    raise RuntimeError("jax.distributed is already initialized")
+  state.coordinator_address = coordinator_address
+  state.process_id, state.num_processes = process_id, num_processes
+  state.client = _jax.get_distributed_runtime_client(
+      coordinator_address, process_id, init_timeout=300, use_compression=True,
+      heartbeat_timeout=heartbeat_timeout_s)
+  state.client.connect()
+  if process_id == 0:  # a replaced process 0 publishes the topology again
+    with contextlib.suppress(Exception):
+      state.client.key_value_delete(_STALE_TOPOLOGY_KEY)
+
+
+@dataclasses.dataclass
+class Recovery:
+  """One failure seen by this process and what followed."""
+
+  error: str
+  failed_at: float
+  healed_at: float | None = None
+  generation: int | None = None
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+class InPlace:
+  """The membership of a multi-controller job, step by step (see the module doc).
+
+  Args:
+    max_failures: failed steps in a row (the job healed each time and failed
+      again) after which :meth:`failed` raises :class:`RestartRequired`.
+    wait_timeout_s: how long to wait for a replacement before giving up the
+      same way.
+  """
+
+  def __init__(self, *, max_failures: int = 3, wait_timeout_s: float = 120.0,
+               poll_s: float = 0.05):
+    from jax._src import distributed  # noqa: PLC0415
+    from jax.experimental.multihost_utils import (  # noqa: PLC0415
+        ProcessFailureError, live_devices)
+    self._client = distributed.global_state.client
+    if self._client is None:
+      raise RuntimeError("join the job first (snapstore.recovery.initialize)")
+    self._live_devices = live_devices
+    self.FAILURES: tuple[type[BaseException], ...] = (
+        ProcessFailureError, MembersMissing, jax.errors.JaxRuntimeError)
+    self.max_failures, self.wait_timeout_s, self.poll_s = max_failures, wait_timeout_s, poll_s
+    self._all = jax.devices()
+    self._key: tuple[tuple[int, int], ...] | None = None
+    self._dirty = True
+    self._in_a_row = 0
+    self._waiting_since: float | None = None
+    self.generation = 0
+    self.changed = False
+    self.devices: list[jax.Device] = _group.devices()
+    self.recoveries: list[Recovery] = []
+
+  @contextlib.contextmanager
+  def live(self) -> Iterator[list[jax.Device]]:
+    """One step's worth of agreement: a barrier with every live process.
+    Yields every device of the job in the agreed order; raises
+    :class:`MembersMissing` (inside the block: nothing ran) while a process
+    is missing, and ``ProcessFailureError`` on exit if one died meanwhile."""
+    with self._live_devices(self._all) as devices:
+      if len(devices) < len(self._all):
+        raise MembersMissing(f"{len(self._all) - len(devices)} of {len(self._all)} "
+                             "devices are not live")
+      incarnations = dict(self._live_devices.devices)
+      key = tuple(sorted((d.id, int(incarnations[d])) for d in devices))
+      self.changed = self._dirty or key != self._key
+      if key != self._key:
+        self.devices = self._order_for(key, incarnations)
+        _group.set_devices(self.devices)
+        self.generation += 1
+        self._key = key
+      if self.changed and self.recoveries and self.recoveries[-1].healed_at is None:
+        self.recoveries[-1].healed_at = time.time()
+        self.recoveries[-1].generation = self.generation
+      self._dirty = False
+      self._waiting_since = None
+      yield self.devices
+    self._in_a_row = 0
+
+  def _order_for(self, key: tuple[tuple[int, int], ...],
+                 incarnations: dict[jax.Device, int]) -> list[jax.Device]:
+    """The device order of membership ``key``. The job's first membership
+    keeps JAX's default order (a job that never fails runs exactly as
+    without in-place recovery); a later one is re-keyed against every order
+    the job used before, which the coordination service keeps for
+    processes that just joined."""
+    used: set[tuple[int, ...]] = set()
+    seen: set[tuple[int, int]] = set()
+    for _, value in self._client.key_value_dir_get(_ORDERS):
+      doc = json.loads(value)
+      members = tuple(tuple(m) for m in doc["members"])
+      if members != key:
+        used |= _group.cliques(doc["order"])
+        seen.update(members)
+    if not used:
+      order = _group.devices() if self._key is None else list(self.devices)
+    else:
+      order = _group.rekeyed(incarnations, used, {i for i, inc in key if (i, inc) not in seen})
+      if order is None:
+        raise RestartRequired("no device order is left whose every group with a "
+                              "replacement's devices is new; a full restart clears the "
+                              "old communicators")
+    entry = json.dumps({"members": key, "order": [d.id for d in order]})
+    with contextlib.suppress(Exception):  # ALREADY_EXISTS: another process wrote it
+      self._client.key_value_set(f"{_ORDERS}/{hashlib.sha256(repr(key).encode()).hexdigest()}",
+                                 entry)
+    return order
+
+  def close(self, timeout_s: float = 120.0) -> None:
+    """The end of the job: waits for every process, then leaves in an order
+    that strands no one. Recoverable processes skip JAX's own shutdown
+    barrier, so without this the process hosting the service (process 0,
+    unless the supervisor hosts it) could exit while others still talk to it,
+    and they would abort."""
+    from jax._src import distributed  # noqa: PLC0415
+    self._client.wait_at_barrier("snapstore/done", int(timeout_s * 1000))
+    if distributed.global_state.service is None:  # the service is elsewhere
+      self._client.key_value_set(f"{_LEFT}/{jax.process_index()}", "1")
+      jax.distributed.shutdown()
+      return
+    deadline = time.monotonic() + timeout_s  # the service is here: leave last
+    while (len(self._client.key_value_dir_get(_LEFT)) < jax.process_count() - 1
+           and time.monotonic() < deadline):
+      time.sleep(self.poll_s)
+    time.sleep(0.5)  # their disconnect follows their key
+    jax.distributed.shutdown()
+
+  def failed(self, error: BaseException) -> None:
+    """Call from the ``except job.FAILURES`` branch: the step is discarded,
+    the next ``live()`` waits for the full job and sets ``changed``."""
+    now = time.time()
+    if isinstance(error, MembersMissing) or isinstance(error.__cause__, MembersMissing):
+      self._waiting_since = self._waiting_since or now
+      if now - self._waiting_since > self.wait_timeout_s:
+        raise RestartRequired(f"no replacement joined in {self.wait_timeout_s:.0f} s: "
+                              f"{error}") from error
+      time.sleep(self.poll_s)
+      return
+    self._dirty = True
+    self._in_a_row += 1
+    self.recoveries.append(Recovery(f"{type(error).__name__}: {str(error)[:200]}", now))
+    logger.warning("step failed (%s); waiting for the job to heal", self.recoveries[-1].error)
+    if self._in_a_row >= self.max_failures:
+      raise RestartRequired(f"{self._in_a_row} failed steps in a row; the last: "
+                            f"{self.recoveries[-1].error}") from error
