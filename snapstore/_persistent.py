@@ -9,6 +9,7 @@ Orbax committed (its finalization marker) are listed.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import jax
 import msgpack
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from . import errors
 from ._layout import LeafKind, LeafSpec, spec_from_row, spec_row, target_sharding
@@ -46,9 +48,16 @@ class OrbaxTier:
   def __init__(self, manager: ocp.CheckpointManager | str | os.PathLike[str], *,
                max_to_keep: int = 3):
     if not isinstance(manager, ocp.CheckpointManager):
+      # Every process creates the directory itself, and no root metadata is
+      # written: Orbax synchronizes all processes for each, which a
+      # replacement joining a running job (in-place recovery) cannot do alone.
+      epath.Path(manager).mkdir(parents=True, exist_ok=True)
+      options = dict(max_to_keep=max_to_keep, enable_async_checkpointing=True, create=False)
+      if "save_root_metadata" in {f.name for f in dataclasses.fields(
+          ocp.CheckpointManagerOptions)}:
+        options["save_root_metadata"] = False
       manager = ocp.CheckpointManager(
-          manager, options=ocp.CheckpointManagerOptions(
-              max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True))
+          manager, options=ocp.CheckpointManagerOptions(**options))
     self.manager = manager
     self.bytes_read = 0
 

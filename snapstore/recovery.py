@@ -111,7 +111,7 @@ def start_service(bind_address: str, num_processes: int, *,
       shutdown_timeout=10, recoverable=True)
 
 
-def set_flags(*, collective_timeout_s: int = 60) -> None:
+def set_flags(*, collective_timeout_s: int = 10) -> None:
   """XLA flags for recoverable collectives; before the backend starts."""
   if jax.config.jax_platforms and "cuda" in jax.config.jax_platforms:
     flags, env = GPU_FLAGS, GPU_ENV
@@ -129,7 +129,7 @@ def set_flags(*, collective_timeout_s: int = 60) -> None:
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                external_service: bool | None = None, heartbeat_timeout_s: int = 3,
-               collective_timeout_s: int = 60, bind_address: str | None = None) -> None:
+               collective_timeout_s: int = 10, bind_address: str | None = None) -> None:
   """Joins a multi-controller job in JAX's fault-tolerance mode.
 
   ``external_service`` (default: ``$SNAPSTORE_SERVICE == "external"``): the
@@ -151,6 +151,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
     external_service = os.environ.get(SERVICE_ENV) == "external"
   set_flags(collective_timeout_s=collective_timeout_s)
   jax.config.update("jax_enable_recoverability", True)
+  _orbax_barriers_in_the_service()
   if not external_service:
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
@@ -170,6 +171,25 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
   if process_id == 0:  # a replaced process 0 publishes the topology again
     with contextlib.suppress(Exception):
       state.client.key_value_delete(_STALE_TOPOLOGY_KEY)
+
+
+def _orbax_barriers_in_the_service() -> None:
+  """Orbax synchronizes processes with a gloo collective over every device
+  in JAX's default order unless told to use the coordination service's
+  barriers; after a heal that collective would meet the dead process's
+  communicator (see :mod:`._group`). An absl flag; set without parsing
+  the command line."""
+  try:
+    from absl import flags  # noqa: PLC0415
+    from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415,F401
+  except ImportError:
+    return
+  name = "experimental_orbax_use_distributed_barrier"
+  if name in flags.FLAGS:
+    flags.FLAGS[name].value = True
+    flags.FLAGS[name].present = 1
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
 
 
 @dataclasses.dataclass

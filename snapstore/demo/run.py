@@ -1,17 +1,23 @@
-"""``snapstore demo``: SIGKILL one host of a 4-process job, recover from RAM
-snapshots, and side by side from Orbax checkpoints on (emulated) GCS only.
+"""``snapstore demo``: SIGKILL one host of a 4-process job, three ways, side by side.
 
-Both runs are real multi-process jobs (``snapstore launch``: 4 hosts x 2 CPU
-devices, ``jax.distributed`` with gloo, 2 failure domains). The killed host is
-replaced by an empty one (its RAM store is wiped). The snapshot run restores
-its shards from the replicas in the other domain; the GCS-only run restores
-the last Orbax checkpoint and recomputes from there. Both continue to the
-same final step and must end with bitwise equal global states.
+The same job (``snapstore launch``: 4 hosts x 2 CPU devices, ``jax.distributed``
+with gloo, 2 failure domains) and the same kill, run three times:
 
-Each step is padded to ``step_s`` (default 0.3 s) with a sleep: the toy model
-computes in ~0.1 s, a real one in seconds, and the pad stands for the
-accelerator computing while the host's cores are free. Recompute time scales
-with it; the steps lost do not.
+- ``gcs-only``: Orbax checkpoints on (emulated) GCS only; the whole job
+  restarts and resumes from the last checkpoint (what users have today);
+- ``snapstore-restart``: per-step RAM snapshots; the whole job restarts and
+  resumes from the freshest snapshot;
+- ``snapstore-in-place``: per-step RAM snapshots and JAX's fault-tolerance
+  mode; the survivors keep running, the killed host alone is replaced, and
+  it heals from its peers' RAM (:mod:`snapstore.recovery`).
+
+The killed host is replaced by an empty one (its RAM store is wiped). All
+three continue to the same final step and must end with bitwise equal states.
+
+Each step is padded to ``step_s`` with a sleep: the toy model computes in
+~0.1 s, a real one in seconds, and the pad stands for the accelerator
+computing while the host's cores are free. Recompute time scales with it;
+the steps lost do not.
 """
 
 from __future__ import annotations
@@ -35,9 +41,16 @@ HOSTS, DEVICES_PER_HOST, KILLED_HOST = 4, 2, 1
 Progress = Callable[[str, int], None]
 
 
-def _run(name: str, *, work: Path, persistent: str, snapshots: bool, kill_step: int,
-         checkpoint_every: int, total_steps: int, step_s: float, env: dict[str, str],
-         progress: Progress) -> dict[str, Any]:
+RUNS = {  # name -> (snapshots, in place)
+    "gcs-only": (False, False),
+    "snapstore-restart": (True, False),
+    "snapstore-in-place": (True, True),
+}
+
+
+def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: bool,
+         kill_step: int, checkpoint_every: int, total_steps: int, step_s: float,
+         env: dict[str, str], progress: Progress) -> dict[str, Any]:
   out = work / name
   out.mkdir()
   store = work / f"store-{name}"
@@ -58,59 +71,71 @@ def _run(name: str, *, work: Path, persistent: str, snapshots: bool, kill_step: 
                    "--min-step-s", str(step_s)],
                   num_hosts=HOSTS, devices_per_host=DEVICES_PER_HOST, store_dir=store,
                   run_id="demo", kills=[Kill(KILLED_HOST, kill_step, lose_store=True)],
-                  timeout_s=600, log_dir=out, env=env)
+                  timeout_s=600, log_dir=out, env=env, in_place=in_place)
   finally:
     done.set()
     watcher.join()
     shutil.rmtree(store, ignore_errors=True)
   progress(name, total_steps)
-  return _summarize(incs, out, kill_step)
+  return _summarize(incs, out, kill_step, total_steps, in_place)
 
 
-def _summarize(incs: list[Incarnation], out: Path, kill_step: int) -> dict[str, Any]:
-  if len(incs) != 2 or not incs[1].ok:
-    raise RuntimeError(f"expected one failure and one clean restart, got "
-                       f"{[i.as_dict() for i in incs]}; logs in {out}")
-  first, second = incs
+def _summarize(incs: list[Incarnation], out: Path, kill_step: int, total_steps: int,
+               in_place: bool) -> dict[str, Any]:
+  """Host 0's view of the recovery (host 0 survives the kill in every run)."""
+  expected = 1 if in_place else 2
+  if len(incs) != expected or not incs[-1].ok or (in_place and incs[0].fallback):
+    raise RuntimeError(f"expected {'one healed incarnation' if in_place else 'one failure and one clean restart'}, "
+                       f"got {[i.as_dict() for i in incs]}; logs in {out}")
+  first, last = incs[0], incs[-1]
   before = json.loads((out / "inc0-host0.json").read_text())
-  after = json.loads((out / "inc1-host0.json").read_text())
-  r = after["restore"]
+  after = json.loads((out / f"inc{last.number}-host0.json").read_text())
+  r = after["restores"][-1]
   times = {int(k): v for k, v in after["times"].items()}
   kill_t = first.kill_time
-  phases = {
-      "detection_s": first.ended - kill_t,       # supervisor sees the death, tears down
-      "restart_s": after["restore_start"] - first.ended,  # processes, jax init, model
-      "restore_s": after["restore_end"] - after["restore_start"],
-      # The first step after the restore carries the new processes' warm-up
-      # (loading compiled programs, first transfers); the rest is pure replay.
-      "first_step_s": times[r["step"] + 1] - after["restore_end"],
+  if in_place:  # one process all along: its marks say when it saw the failure
+    failed_at = min(t for n, t in after["phases"] if n.startswith("failed") and t >= kill_t)
+    phases = {"detection_s": failed_at - kill_t,
+              "restart_s": r["started"] - failed_at}  # waiting for the replacement
+    pre_kill = {s: t for s, t in before["times"].items() if t < kill_t}
+  else:
+    phases = {"detection_s": first.ended - kill_t,  # the supervisor tears the job down
+              "restart_s": r["started"] - first.ended}  # processes, jax, model
+    pre_kill = before["times"]
+  phases.update({
+      "restore_s": r["ended"] - r["started"],
+      # The first step after the restore carries the warm-up (compiling for
+      # the new mesh or process, first transfers); the rest is pure replay.
+      "first_step_s": times[r["step"] + 1] - r["ended"],
       "replay_s": times[kill_step] - times[r["step"] + 1],
-  }
-  phases["kill_to_first_new_step_s"] = times[kill_step + 1] - kill_t
+      "kill_to_first_new_step_s": times[kill_step + 1] - kill_t,
+      "wall_to_final_step_s": times[total_steps] - first.started,
+  })
   return {
       "restored_step": r["step"], "source": r["source"], "rewind_steps": r["rewind_steps"],
       **phases,
       "bytes_read_gcs": r["bytes_read"].get("persistent", 0),
       "bytes_read_ram": r["bytes_read"].get("snapshot", 0),
       "bytes_exchanged": r["bytes_read"].get("exchanged", 0),
+      "processes_restarted": len(first.replaced) if in_place else HOSTS,
       "restore_timings": r["timings"], "notes": r["notes"],
-      "step_s": _median_step(before, kill_step),
+      "step_s": _median_step(pre_kill, kill_step),
       "final_digest": after["digests"][str(max(int(k) for k in after["digests"]))],
       "timeline": {"start": first.started, "kill": kill_t,
-                   "restart": second.started,
-                   "before": sorted((int(s), t) for s, t in before["times"].items()),
-                   "after": sorted(times.items())},
+                   "restart": r["started"],
+                   "before": sorted((int(s), t) for s, t in pre_kill.items()),
+                   "after": sorted((s, t) for s, t in times.items() if t >= r["ended"])},
   }
 
 
-def _median_step(report: dict[str, Any], kill_step: int) -> float:
+def _median_step(times: dict[str, float], kill_step: int) -> float:
   """Median step interval before the failure, past the first (compiling) steps."""
-  t = [report["times"][str(s)] for s in range(3, kill_step) if str(s) in report["times"]]
+  t = [times[str(s)] for s in range(3, kill_step) if str(s) in times]
   return float(np.median(np.diff(t))) if len(t) > 2 else float("nan")
 
 
-def run_demo(*, kill_step: int = 37, checkpoint_every: int = 20, total_steps: int = 45,
-             step_s: float = 0.3, persistent_dir: str | None = None,
+def run_demo(*, kill_step: int = 94, checkpoint_every: int = 50, total_steps: int = 100,
+             step_s: float = 0.15, persistent_dir: str | None = None,
              report: str = "demo-report.json",
              plot: str = "demo-timeline.png",
              progress: Progress = lambda run, s: None) -> dict[str, Any]:
@@ -132,19 +157,23 @@ def run_demo(*, kill_step: int = 37, checkpoint_every: int = 20, total_steps: in
     else:
       where = lambda run: str(Path(persistent_dir, run).absolute())  # noqa: E731
     runs = {}
-    for name, snapshots in (("snapstore", True), ("gcs-only", False)):
+    for name, (snapshots, in_place) in RUNS.items():
       runs[name] = _run(name, work=work, persistent=where(name), snapshots=snapshots,
-                        kill_step=kill_step, checkpoint_every=checkpoint_every,
-                        total_steps=total_steps, step_s=step_s, env=env,
-                        progress=progress)
-  snap, plain = runs["snapstore"]["step_s"], runs["gcs-only"]["step_s"]
+                        in_place=in_place, kill_step=kill_step,
+                        checkpoint_every=checkpoint_every, total_steps=total_steps,
+                        step_s=step_s, env=env, progress=progress)
+  plain = runs["gcs-only"]["step_s"]
+  snap = float(np.median([runs[n]["step_s"] for n in RUNS if RUNS[n][0]]))
   out = {
       "hosts": HOSTS, "devices_per_host": DEVICES_PER_HOST, "killed_host": KILLED_HOST,
       "kill_step": kill_step, "checkpoint_every": checkpoint_every,
       "total_steps": total_steps, "min_step_s": step_s,
       "persistent": "gcs-emulator" if persistent_dir is None else persistent_dir,
       "runs": runs,
-      "final_states_equal": runs["snapstore"]["final_digest"] == runs["gcs-only"]["final_digest"],
+      "final_states_equal": len({r["final_digest"] for r in runs.values()}) == 1,
+      "kill_to_first_new_step_vs_gcs_only": {
+          n: r["kill_to_first_new_step_s"] / runs["gcs-only"]["kill_to_first_new_step_s"]
+          for n, r in runs.items()},
       "step_s_with_snapshots": snap, "step_s_without": plain,
       "snapshot_overhead": snap / plain - 1.0,
   }
@@ -159,7 +188,7 @@ def _plot(runs: dict[str, Any], kill_step: int, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   fig, ax = plt.subplots(figsize=(8, 4))
-  for (name, run), color in zip(runs.items(), ("tab:green", "tab:red")):
+  for (name, run), color in zip(runs.items(), ("tab:red", "tab:orange", "tab:green")):
     tl = run["timeline"]
     t0 = tl["kill"]  # both runs aligned at their SIGKILL
     for part, style in (("before", "."), ("after", "x")):
@@ -171,7 +200,7 @@ def _plot(runs: dict[str, Any], kill_step: int, path: str) -> None:
   ax.axvline(0, color="black", ls=":", lw=0.8)
   ax.axhline(kill_step, ls="--", color="grey", lw=0.8,
              label=f"SIGKILL host {KILLED_HOST} at step {kill_step}")
-  ax.set_xlabel("seconds from the SIGKILL (dotted); dashed: the job restarts")
+  ax.set_xlabel("seconds from the SIGKILL (dotted); dashed: the restore starts")
   ax.set_ylabel("step")
   ax.legend(loc="lower right", fontsize=8)
   fig.tight_layout()
