@@ -112,10 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   sub = p.add_subparsers(dest="cmd", required=True)
   d = sub.add_parser("demo", help="SIGKILL a host of a 4-process job; recover from RAM "
                      "snapshots vs GCS only")
-  d.add_argument("--kill-step", type=int, default=94)
-  d.add_argument("--checkpoint-every", type=int, default=50)
-  d.add_argument("--total-steps", type=int, default=100)
-  d.add_argument("--step-s", type=float, default=0.15,
+  d.add_argument("--kill-step", type=int, default=58)
+  d.add_argument("--checkpoint-every", type=int, default=30)
+  d.add_argument("--total-steps", type=int, default=62)
+  d.add_argument("--step-s", type=float, default=0.3,
                  help="pad each step to this long (a sleep standing for accelerator "
                       "compute; the toy model's own step is ~0.1 s)")
   d.add_argument("--persistent-dir", default=None,

@@ -134,8 +134,8 @@ def _median_step(times: dict[str, float], kill_step: int) -> float:
   return float(np.median(np.diff(t))) if len(t) > 2 else float("nan")
 
 
-def run_demo(*, kill_step: int = 94, checkpoint_every: int = 50, total_steps: int = 100,
-             step_s: float = 0.15, persistent_dir: str | None = None,
+def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: int = 62,
+             step_s: float = 0.3, persistent_dir: str | None = None,
              report: str = "demo-report.json",
              plot: str = "demo-timeline.png",
              progress: Progress = lambda run, s: None) -> dict[str, Any]:
