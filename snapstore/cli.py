@@ -86,7 +86,7 @@ def _launch(args: argparse.Namespace) -> int:
                   store_dir=args.store_dir, run_id=args.run_id, kills=args.kill,
                   shrink_to=args.shrink_to, max_incarnations=args.max_incarnations,
                   timeout_s=args.timeout, log_dir=args.log_dir,
-                  bind_address=args.bind_address)
+                  bind_address=args.bind_address, in_place=args.in_place)
   except (RuntimeError, TimeoutError) as e:
     print(f"snapstore launch: {e}", file=sys.stderr)
     return 1
@@ -95,10 +95,13 @@ def _launch(args: argparse.Namespace) -> int:
     r = inc.restore or {}
     rows.append([inc.number, inc.num_hosts, f"{inc.ended - inc.started:.1f}",
                  inc.failure or "-", r.get("step", "-"), r.get("source", "-"),
-                 r.get("rewind_steps", "-")])
+                 r.get("rewind_steps", "-"),
+                 ",".join(str(x["host"]) for x in inc.replaced) or "-"])
+    if inc.fallback:
+      print(f"incarnation {inc.number}: full restart: {inc.fallback}")
   print(_table(f"snapstore launch: {cmd[0]} on {args.hosts} hosts",
                ["incarnation", "hosts", "seconds", "failure", "restored step", "source",
-                "rewind"], rows))
+                "rewind", "replaced in place"], rows))
   if args.json:
     Path(args.json).write_text(json.dumps([i.as_dict() for i in incs], indent=2))
     print(f"report: {args.json}")
@@ -145,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   la.add_argument("--bind-address", default="127.0.0.1",
                   help="where the JAX coordination service listens (loopback by default; "
                        "a cluster-facing address for real clusters)")
+  la.add_argument("--in-place", action="store_true",
+                  help="survivors keep running; only a dead host is restarted "
+                  "(snapstore.recovery; the worker must use recovery.InPlace)")
   la.add_argument("--json", default=None, help="write the incarnation report here")
   la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
   la.set_defaults(fn=_launch)

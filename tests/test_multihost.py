@@ -245,21 +245,16 @@ def test_in_place_heal_survivors_keep_running(reference, tmp_path, cache_dir):
   assert restores[0]["bytes_read"]["exchanged"] > 0  # host 1's shards came from peers
 
 
-def test_in_place_survives_losing_process_0(reference, tmp_path, cache_dir):
-  job = Job(tmp_path, cache_dir, "host0").run(
-      [Kill(host=0, step=random.Random(12).randint(4, STEPS - 1), lose_store=True)],
-      args=["--hosts-per-domain", "2"], in_place=True)
-  check_in_place(job, reference, replaced=[0], restores=1)
-
-
-def test_in_place_second_death_during_the_recovery(reference, tmp_path, cache_dir):
-  """Host 3 dies inside the restore that heals host 1's loss: the job heals
-  again and ends bitwise equal, never on a partial state."""
+def test_in_place_survives_losing_process_0_and_a_second_death_during_recovery(
+    reference, tmp_path, cache_dir):
+  """Process 0 dies (the supervisor hosts the coordination service, so the
+  others live on), then host 3 dies inside the restore that heals it: the
+  job heals twice and ends bitwise equal, never on a partial state."""
   job = Job(tmp_path, cache_dir, "twice").run(
-      [Kill(host=1, step=random.Random(13).randint(4, STEPS - 1), lose_store=True),
+      [Kill(host=0, step=random.Random(12).randint(4, STEPS - 1), lose_store=True),
        Kill(host=3, step=-1, phase="restore")],
       args=["--hosts-per-domain", "2"], in_place=True)
-  check_in_place(job, reference, replaced=[1, 3], restores=1)
+  check_in_place(job, reference, replaced=[0, 3], restores=1)
 
 
 def test_losing_process_0_that_hosts_the_service_falls_back_to_a_full_restart(
