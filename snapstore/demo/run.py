@@ -107,7 +107,8 @@ def _summarize(incs: list[Incarnation], out: Path, kill_step: int, total_steps: 
       # The first step after the restore carries the warm-up (compiling for
       # the new mesh or process, first transfers); the rest is pure replay.
       "first_step_s": times[r["step"] + 1] - r["ended"],
-      "replay_s": times[kill_step] - times[r["step"] + 1],
+      "replay_s": (times[kill_step] - times[r["step"] + 1]
+                   if r["step"] < kill_step else 0.0),
       "kill_to_first_new_step_s": times[kill_step + 1] - kill_t,
       "wall_to_final_step_s": times[total_steps] - first.started,
   })
