@@ -217,13 +217,17 @@ class SnapshotManager:
     timings: dict[str, float] = {}
     target_specs, targets, treedef = flatten(abstract_state)
     manifests = self._peers.gather_manifests(self.backend.manifests())
-    # one incarnation for everyone from here: a replacement that joined a
-    # running job (in-place recovery) may not know the one the others reached.
-    newest, self.incarnation = self._peers.agree_max(
-        max([self._newest_step] + [m.step for m in manifests]), self.incarnation)
-    timings["scan"] = time.perf_counter() - t0
     persistent_steps = [s for s in (self.persistent.committed_steps() if self.persistent
                                     else []) if step is None or s == step]
+    # One incarnation for everyone from here (a replacement that joined a
+    # running job may not know the one the others reached), and one view of
+    # the persistent tier (the oldest newest-commit: commits only grow), so
+    # every process picks the same source.
+    newest, self.incarnation, neg_latest = self._peers.agree_max(
+        max([self._newest_step] + [m.step for m in manifests]), self.incarnation,
+        -(persistent_steps[-1] if persistent_steps else -1))
+    persistent_steps = [s for s in persistent_steps if s <= -neg_latest]
+    timings["scan"] = time.perf_counter() - t0
     bad: set[_planner.CopyKey] = set()
     reasons: list[str] = []
     while True:

@@ -241,9 +241,12 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       if h in armed and attempts[h] == 0:
         penv[_faults.ENV] = f"{armed[h].phase}@{armed[h].step}"
       name = f"inc{number}-host{h}" + (f"-r{attempts[h]}" if attempts[h] else "")
-      log = open(Path(log_dir) / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL
-      return subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
-                              stdout=log, stderr=subprocess.STDOUT)
+      if not log_dir:
+        return subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+      with open(Path(log_dir) / f"{name}.log", "wb") as log:  # the child keeps its copy
+        return subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
+                                stdout=log, stderr=subprocess.STDOUT)
 
     procs = {h: start(h) for h in range(hosts)}
     failed = False
@@ -251,12 +254,17 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       if time.monotonic() > deadline:
         for p in procs.values():
           p.kill()
+          p.wait()
+        if service is not None:
+          service.shutdown()
+        reservation.close()
         raise TimeoutError(f"job did not finish in {timeout_s} s (incarnation {number})")
       due = [k for k in pending if k.phase is None and
              read_progress(host_dir(store_dir, run_id, k.host))[0] >= k.step]
       if due:  # kills at the same step fire together.
         step = min(k.step for k in due)
         for k in [k for k in pending if k.phase is None and k.step == step]:
+          inc.kill_time = inc.kill_time or time.time()
           procs[k.host].send_signal(signal.SIGKILL)
           procs[k.host].wait()
           _record_kill(inc, k, store_dir, run_id)

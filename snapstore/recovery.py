@@ -9,7 +9,7 @@ others down. :func:`initialize` joins the job in that mode, and
     job = snapstore.recovery.InPlace()
     while step <= last:
       try:
-        with job.live() as devices:      # a barrier; every process is in
+        with job.live() as devices:      # agreed at its exit: all pass, or all fail
           if job.changed:                # first pass, or the job healed
             mesh = Mesh(np.array(devices).reshape(...), axes)
             state, step = restore_or_init(mesh)   # mgr.restore(...)
@@ -61,6 +61,7 @@ RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: "restart the whole job", for launch
 SERVICE_ENV = "SNAPSTORE_SERVICE"  # "external": the supervisor hosts the service
 TESTED_JAX = ((0, 10), (0, 12))  # the jax versions whose private APIs this uses
 _ORDERS = "snapstore/orders"  # in the coordination service: every order used
+_FAILED = "snapstore/failed"  # membership/block -> the process whose step failed
 _LEFT = "snapstore/left"  # processes that reached close() and disconnected
 _STALE_TOPOLOGY_KEY = "cpu:global_topology/cpu"
 
@@ -77,6 +78,10 @@ GPU_ENV = {"XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
 class RestartRequired(RuntimeError):
   """In-place recovery is not possible here; exit with
   :data:`RESTART_EXIT_CODE` and let the supervisor restart the whole job."""
+
+
+class PeerFailed(RuntimeError):
+  """Another process's step failed; this one's is discarded too."""
 
 
 class MembersMissing(RuntimeError):
@@ -225,10 +230,12 @@ class InPlace:
       raise RuntimeError("join the job first (snapstore.recovery.initialize)")
     self._live_devices = live_devices
     self.FAILURES: tuple[type[BaseException], ...] = (
-        ProcessFailureError, MembersMissing, jax.errors.JaxRuntimeError)
+        ProcessFailureError, MembersMissing, PeerFailed, jax.errors.JaxRuntimeError)
     self.max_failures, self.wait_timeout_s, self.poll_s = max_failures, wait_timeout_s, poll_s
     self._all = jax.devices()
     self._key: tuple[tuple[int, int], ...] | None = None
+    self._entered: tuple[tuple[int, int], ...] | None = None
+    self._block = 0
     self._dirty = True
     self._in_a_row = 0
     self._waiting_since: float | None = None
@@ -239,28 +246,46 @@ class InPlace:
 
   @contextlib.contextmanager
   def live(self) -> Iterator[list[jax.Device]]:
-    """One step's worth of agreement: a barrier with every live process.
-    Yields every device of the job in the agreed order; raises
-    :class:`MembersMissing` (inside the block: nothing ran) while a process
-    is missing, and ``ProcessFailureError`` on exit if one died meanwhile."""
+    """One step's worth of agreement with every live process. Yields every
+    device of the job in the agreed order. The barrier is at the exit (and
+    at a process's first entry): a process may die while the body runs.
+    Raises :class:`MembersMissing` (inside the block: nothing ran) while a
+    process is missing; on exit ``ProcessFailureError`` if one died, or
+    :class:`PeerFailed` if the body raised on another process: a failure
+    anywhere fails the step everywhere, so every process restores together."""
     with self._live_devices(self._all) as devices:
+      incarnations = dict(self._live_devices.devices)
+      key = tuple(sorted((d.id, int(incarnations[d])) for d in devices))
+      if key != self._entered:  # blocks are counted per membership, alike everywhere
+        self._entered, self._block = key, 0
+      self._block += 1
+      failure = f"{_FAILED}/{hashlib.sha256(repr(key).encode()).hexdigest()}/{self._block}"
       if len(devices) < len(self._all):
         raise MembersMissing(f"{len(self._all) - len(devices)} of {len(self._all)} "
                              "devices are not live")
-      incarnations = dict(self._live_devices.devices)
-      key = tuple(sorted((d.id, int(incarnations[d])) for d in devices))
-      self.changed = self._dirty or key != self._key
-      if key != self._key:
-        self.devices = self._order_for(key, incarnations)
-        _group.set_devices(self.devices)
-        self.generation += 1
-        self._key = key
-      if self.changed and self.recoveries and self.recoveries[-1].healed_at is None:
-        self.recoveries[-1].healed_at = time.time()
-        self.recoveries[-1].generation = self.generation
-      self._dirty = False
-      self._waiting_since = None
-      yield self.devices
+      try:
+        self.changed = self._dirty or key != self._key
+        if key != self._key:
+          self.devices = self._order_for(key, incarnations)
+          _group.set_devices(self.devices)
+          self.generation += 1
+          self._key = key
+        if self.changed and self.recoveries and self.recoveries[-1].healed_at is None:
+          self.recoveries[-1].healed_at = time.time()
+          self.recoveries[-1].generation = self.generation
+        self._dirty = False
+        self._waiting_since = None
+        yield self.devices
+      except Exception:  # tell the others before the exit barrier
+        with contextlib.suppress(Exception):
+          self._client.key_value_set(failure, str(jax.process_index()))
+        raise
+    try:
+      who = self._client.key_value_try_get(failure)
+    except Exception:  # noqa: BLE001  (NOT_FOUND: the step succeeded everywhere)
+      who = None
+    if who is not None:
+      raise PeerFailed(f"process {who} failed this step")
     self._in_a_row = 0
 
   def _order_for(self, key: tuple[tuple[int, int], ...],

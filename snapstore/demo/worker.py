@@ -144,10 +144,9 @@ def main() -> int:
               start_of_pass[0] = s
               mark("restored")
               write()
-            if s <= a.steps:
+            if s <= a.steps:  # the step and its digest count only if all end them
               state, loss = train(trainer, state, s)
-          if s <= a.steps:
-            record(trainer, state, s, loss)
+              record(trainer, state, s, loss)
           s += 1
         except job.FAILURES as e:
           mark(f"failed: {type(e).__name__}")
@@ -156,7 +155,8 @@ def main() -> int:
           except recovery.RestartRequired as why:  # launch restarts the whole job
             report["fallback"] = str(why)
             write()
-            return recovery.RESTART_EXIT_CODE
+            # no cleanup: a drain or an Orbax save may wait on the dead peer
+            os._exit(recovery.RESTART_EXIT_CODE)
           finally:
             report["recoveries"] = [r.as_dict() for r in job.recoveries]
     mgr.wait_until_finished()
