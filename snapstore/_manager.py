@@ -72,7 +72,7 @@ class SnapshotManager:
     if self.incarnation is None:
       seen = [m.incarnation for m in self.backend.manifests()] + [prev_inc]
       # a replaced host starts empty: agree on the max.
-      self.incarnation = self._peers.agree_max(max(seen) + 1)
+      (self.incarnation,) = self._peers.agree_max(max(seen) + 1)
       if self.incarnation > MAX_INT:
         raise errors.StoreError(
             f"the stores name incarnation {self.incarnation - 1}, the most there can be; "

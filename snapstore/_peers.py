@@ -44,8 +44,8 @@ class Solo:
   def gather_manifests(self, local: Sequence[Manifest]) -> list[Manifest]:
     return list(local)
 
-  def agree_max(self, *values: int) -> Any:
-    return values[0] if len(values) == 1 else values
+  def agree_max(self, *values: int) -> tuple[int, ...]:
+    return values
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
@@ -69,11 +69,9 @@ class Distributed:
   def gather_manifests(self, local: Sequence[Manifest]) -> list[Manifest]:
     return _exchange.gather_manifests(local)
 
-  def agree_max(self, *values: int) -> Any:
-    """The maximum of each value over every process: an int for one value,
-    else a tuple."""
-    top = tuple(int(v) for v in _exchange.gather_ints(list(values)).max(axis=0))
-    return top[0] if len(top) == 1 else top
+  def agree_max(self, *values: int) -> tuple[int, ...]:
+    """The maximum of each value over every process."""
+    return tuple(int(v) for v in _exchange.gather_ints(list(values)).max(axis=0))
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:

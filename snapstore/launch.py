@@ -143,7 +143,7 @@ def init_from_env() -> tuple[int, int, int]:
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", int(env["SNAPSTORE_DEVICES_PER_HOST"]))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if env.get(IN_PLACE_ENV) == "1":
+  if in_place_from_env():
     from . import recovery  # noqa: PLC0415
     recovery.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
                         bind_address=env.get("SNAPSTORE_COORDINATOR_BIND"))
