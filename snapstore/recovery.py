@@ -116,7 +116,7 @@ def start_service(bind_address: str, num_processes: int, *,
       shutdown_timeout=10, recoverable=True)
 
 
-def set_flags(*, collective_timeout_s: int = 10) -> None:
+def set_flags(*, collective_timeout_s: int = 30) -> None:
   """XLA flags for recoverable collectives; before the backend starts."""
   if jax.config.jax_platforms and "cuda" in jax.config.jax_platforms:
     flags, env = GPU_FLAGS, GPU_ENV
@@ -134,7 +134,7 @@ def set_flags(*, collective_timeout_s: int = 10) -> None:
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                external_service: bool | None = None, heartbeat_timeout_s: int = 3,
-               collective_timeout_s: int = 10, bind_address: str | None = None) -> None:
+               collective_timeout_s: int = 30, bind_address: str | None = None) -> None:
   """Joins a multi-controller job in JAX's fault-tolerance mode.
 
   ``external_service`` (default: ``$SNAPSTORE_SERVICE == "external"``): the
@@ -214,8 +214,11 @@ class InPlace:
   """The membership of a multi-controller job, step by step (see the module doc).
 
   Args:
-    max_failures: failed steps in a row (the job healed each time and failed
-      again) after which :meth:`failed` raises :class:`RestartRequired`.
+    max_failures: failed steps in a row on one membership (the job healed
+      and failed again with the same processes) after which :meth:`failed`
+      raises :class:`RestartRequired`. A failure on a new membership (a
+      process died and was replaced) starts the count again: deaths are
+      bounded by the supervisor's ``max_replacements``.
     wait_timeout_s: how long to wait for a replacement before giving up the
       same way.
   """
@@ -238,6 +241,7 @@ class InPlace:
     self._block = 0
     self._dirty = True
     self._in_a_row = 0
+    self._failed_key: tuple[tuple[int, int], ...] | None = None
     self._waiting_since: float | None = None
     self.generation = 0
     self.changed = False
@@ -348,6 +352,8 @@ class InPlace:
       time.sleep(self.poll_s)
       return
     self._dirty = True
+    if self._entered != self._failed_key:  # a new membership failed: count anew
+      self._failed_key, self._in_a_row = self._entered, 0
     self._in_a_row += 1
     self.recoveries.append(Recovery(f"{type(error).__name__}: {str(error)[:200]}", now))
     logger.warning("step failed (%s); waiting for the job to heal", self.recoveries[-1].error)

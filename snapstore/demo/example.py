@@ -96,6 +96,7 @@ class Trainer:
     self.batch_sharding = NamedSharding(self.mesh, P("data"))
     self.replicated = NamedSharding(self.mesh, P())
     self._step = jax.jit(self._train_step, donate_argnums=0)
+    self._compiled: Any = None
 
   def init_state(self) -> dict[str, Any]:
     params = jax.tree.map(
@@ -141,6 +142,14 @@ class Trainer:
     rng = jax.random.split(state["rng"])[0]
     return {"params": params, "opt": opt, "rng": rng}, loss
 
+  def compile(self, state: Any) -> None:
+    """Compiles the step ahead of time for ``state``'s shapes and shardings,
+    so that a process's first step waits on no one's compiler (in place,
+    peers' collectives time out on a peer that is still compiling)."""
+    batch = jax.ShapeDtypeStruct((self.cfg.batch, self.cfg.seq + 1), np.int32,
+                                 sharding=self.batch_sharding)
+    self._compiled = self._step.lower(state, batch).compile()
+
   def step(self, state: dict[str, Any], step: int) -> tuple[dict[str, Any], jax.Array]:
     """One train step on the batch of ``step``; donates ``state``."""
-    return self._step(state, self.batch(step))
+    return (self._compiled or self._step)(state, self.batch(step))

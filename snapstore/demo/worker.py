@@ -143,7 +143,10 @@ def main() -> int:
               state, s = restore_or_init(trainer)
               start_of_pass[0] = s
               mark("restored")
+              trainer.compile(state)
+              mark("compiled")
               write()
+              continue  # the exit barrier: every first step starts compiled, together
             if s <= a.steps:  # the step and its digest count only if all end them
               state, loss = train(trainer, state, s)
               record(trainer, state, s, loss)
