@@ -5,7 +5,8 @@ and incarnation a ``Kill(phase=...)`` names::
 
   SNAPSTORE_FAULT=<phase>@<step>     e.g. manifest@6
 
-Phases: ``capture`` (half the leaves captured), ``replica`` (a replica
+Phases: ``step`` (a train step done, before its snapshot: for loops that
+call it, like ``snapstore.integrations.maxtext.train``), ``capture`` (half the leaves captured), ``replica`` (a replica
 transfer dispatched, not awaited), ``manifest`` (the data and the manifest's
 temp file written, not renamed), ``restore`` (a plan chosen, half the leaves
 assembled). The kill is a real SIGKILL of the calling process: no handler, no
@@ -21,7 +22,7 @@ import sys
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("capture", "replica", "manifest", "restore")
+PHASES = ("step", "capture", "replica", "manifest", "restore")
 ENV = "SNAPSTORE_FAULT"
 
 

@@ -48,7 +48,7 @@ class Kill:
 
   ``phase`` None: the supervisor kills it when its store's PROGRESS reports
   ``step`` (it is then in that step's save or the next train step). A phase
-  (``capture``, ``replica``, ``manifest``, ``restore``; see ``_faults``): the
+  (``step``, ``capture``, ``replica``, ``manifest``, ``restore``; see ``_faults``): the
   process SIGKILLs itself at that point of that step. Kills of one
   incarnation at the same step fire together. ``lose_store`` also wipes the
   host's RAM store (a replaced machine).

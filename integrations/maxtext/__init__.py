@@ -1,4 +1,6 @@
-"""MaxText-style configuration -> snapstore, and a per-step train-loop hook.
+"""MaxText and snapstore: MaxText's own loop with snapshots
+(``python -m snapstore.integrations.maxtext.train``, see :mod:`.train`), and,
+for loops of your own, a MaxText-style config mapping and a per-step hook.
 
 MaxText configures elasticity and checkpointing with flat keys
 (``elastic_enabled``, ``elastic_timeout_seconds``, ``elastic_max_retries``,
@@ -18,12 +20,12 @@ with those attributes, like MaxText's ``pyconfig``) to snapstore's options;
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from snapstore import NothingToRestoreError, RestoreResult, SnapshotManager, SnapshotOptions
 
-from .pathways import ElasticOptions
+from ..pathways import ElasticOptions
 
 # MaxText key -> (snapstore field, default when the key is absent)
 SNAPSHOT_KEYS = {
@@ -35,6 +37,68 @@ SNAPSHOT_KEYS = {
     "run_name": ("run_id", "default"),
     "checkpoint_period": ("persistent_interval", 0),
 }
+# The keys of ``python -m snapstore.integrations.maxtext.train`` (command line
+# or yml): MaxText key -> SnapshotOptions field. ``snapshot_interval=0``: off.
+TRAIN_KEYS = {
+    "snapshot_interval": "interval",
+    "snapshot_keep": "keep",
+    "snapshot_replicas": "replicas",
+    "snapshot_replica_interval": "replica_interval",
+    "snapshot_hosts_per_domain": "hosts_per_domain",
+    "snapshot_store_dir": "store_dir",
+    "snapshot_budget_bytes": "budget_bytes",
+    "snapshot_host_mtbf_s": "host_mtbf_s",
+}
+
+
+class MaxTextConfigError(ValueError):
+  """A ``snapshot_*`` key snapstore does not know, or a bad value; names the key."""
+
+
+def split_snapshot_keys(args: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+  """(MaxText's ``key=value`` arguments, snapstore's ``snapshot_*`` ones with
+  YAML-parsed values, as MaxText parses its own)."""
+  import yaml  # noqa: PLC0415  (MaxText's dependency)
+  rest, ours = [], {}
+  for a in args:
+    key, eq, value = a.partition("=")
+    if key.startswith("snapshot_"):
+      if not eq:
+        raise MaxTextConfigError(f"{a!r}: expected {key}=<value>")
+      ours[key] = yaml.safe_load(value)
+    else:
+      rest.append(a)
+  return rest, ours
+
+
+def snapshot_options(config: Mapping[str, Any]) -> SnapshotOptions | None:
+  """The options of the ``snapshot_*`` keys in ``config`` (``run_name`` names
+  the run), or None with ``snapshot_interval=0``. Raises
+  :class:`MaxTextConfigError` naming the first unknown key or bad value."""
+  fields: dict[str, Any] = {}
+  for key, value in config.items():
+    if key == "run_name":
+      fields["run_id"] = str(value)
+      continue
+    if key not in TRAIN_KEYS:
+      raise MaxTextConfigError(f"unknown snapstore key {key!r}; known: "
+                               f"{', '.join(sorted(TRAIN_KEYS))}")
+    fields[TRAIN_KEYS[key]] = value
+  if fields.get("interval", 1) == 0:
+    return None
+  for key, field in TRAIN_KEYS.items():  # check one key at a time, to name it
+    if field in fields and key in config:
+      try:
+        SnapshotOptions(**{field: fields[field]},
+                        **({"host_mtbf_s": 1.0} if field == "interval" else {}))
+      except (TypeError, ValueError) as e:
+        raise MaxTextConfigError(f"{key}={config[key]!r}: {e}") from e
+  try:
+    return SnapshotOptions(**fields)
+  except (TypeError, ValueError) as e:
+    raise MaxTextConfigError(f"snapstore keys {dict(config)}: {e}") from e
+
+
 ELASTIC_KEYS = ("elastic_enabled", "elastic_timeout_seconds", "elastic_max_retries",
                 "elastic_min_slice_count", "snapshot_interval", "snapshot_replicas",
                 "snapshot_keep")

@@ -1,0 +1,275 @@
+"""MaxText's own pre-training loop, with per-step snapstore snapshots.
+
+::
+
+  python -m snapstore.integrations.maxtext.train <MaxText yml> key=value ... \\
+      snapshot_interval=1 snapshot_keep=2 snapshot_replicas=1
+
+Everything but the ``snapshot_*`` keys goes to MaxText unchanged (its
+``enable_checkpointing`` / ``checkpoint_period`` Orbax checkpoints included);
+the ``snapshot_*`` keys may also sit in the yml (this module strips them
+before MaxText's strict config sees them). ``snapshot_interval=0`` turns
+snapshots off: the run is plain MaxText.
+
+Two of MaxText's functions are wrapped (MaxText 0.2.5 has no hook for an
+external checkpoint engine; these are the ones its loop looks up on the
+``checkpointing`` module at each call):
+
+* ``checkpointing.maybe_save_checkpoint``, called after every train step:
+  MaxText's own Orbax save runs first, unchanged, then a snapshot of the
+  whole train state (params, optimizer state, step, PRNG keys) is taken
+  before the next step donates it.
+* ``checkpointing.load_state_if_possible``, called once at start-up: the
+  freshest complete snapshot of the job's host stores if there is one and it
+  is newer than MaxText's latest Orbax checkpoint; else MaxText's own
+  restore (Orbax, or a fresh init).
+
+Under ``snapstore launch`` (``$SNAPSTORE_COORDINATOR`` set), the process joins
+the job with :func:`snapstore.launch.init_from_env` first; MaxText's CPU
+start-up then finds ``jax.distributed`` initialized and skips its own (which
+hard-codes port 1234). Each process writes a report (restores, losses,
+digests of the global state) to ``$SNAPSTORE_REPORT_DIR``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from snapstore import _faults
+
+from . import MaxTextConfigError, snapshot_options, split_snapshot_keys
+
+SUPPORTED_MAXTEXT = ("0.2.5",)
+
+
+class UnsupportedMaxTextError(RuntimeError):
+  """The installed MaxText is not one this module wraps."""
+
+
+def check_maxtext() -> str:
+  """The installed MaxText's version; raises :class:`UnsupportedMaxTextError`
+  (with what to do) if it is missing or not one of ``SUPPORTED_MAXTEXT``."""
+  try:
+    from maxtext import version  # noqa: PLC0415
+  except ImportError as e:
+    raise UnsupportedMaxTextError(
+        "MaxText is not installed: pip install -e '.[maxtext]' (Python >= 3.12)") from e
+  found = getattr(version, "__version__", "unknown")
+  if found not in SUPPORTED_MAXTEXT:
+    raise UnsupportedMaxTextError(
+        f"maxtext {found} is installed; snapstore.integrations.maxtext.train wraps "
+        f"MaxText's train loop of version {', '.join(SUPPORTED_MAXTEXT)} only (the two "
+        "functions it wraps are not a public API). Install a supported version, or "
+        "use snapstore.integrations.maxtext.SnapshotHook in your own loop.")
+  return found
+
+
+def _yaml_without_snapshot_keys(path: str) -> tuple[str, dict[str, Any]]:
+  """(a yml MaxText accepts, the ``snapshot_*`` keys of ``path``). A copy is
+  written only if ``path`` has such keys; its ``base_config`` is made absolute
+  so the copy resolves it as the original did."""
+  import yaml  # noqa: PLC0415  (MaxText's dependency)
+  doc = yaml.safe_load(Path(path).read_text()) or {}
+  keys = {k: v for k, v in doc.items() if str(k).startswith("snapshot_")}
+  if not keys:
+    return path, {}
+  rest = {k: v for k, v in doc.items() if k not in keys}
+  base = rest.get("base_config")
+  if base and not os.path.isabs(base):
+    rest["base_config"] = str(Path(path).resolve().parent / base)
+  fd, copy = tempfile.mkstemp(prefix="maxtext-", suffix=".yml")
+  with os.fdopen(fd, "w") as f:
+    yaml.safe_dump(rest, f)
+  return copy, keys
+
+
+class _Engine:
+  """The snapshot side of one MaxText process: built lazily (at MaxText's
+  restore, when JAX is up), reports under ``snapstore launch``."""
+
+  def __init__(self, config: dict[str, Any]):
+    self.options = snapshot_options(config)  # raises MaxTextConfigError
+    self.manager: Any = None
+    self.report: dict[str, Any] = {"losses": {}, "times": {}, "restores": [], "digests": {},
+                                   "pid": os.getpid(), "started": time.time()}
+    self._report_dir = os.environ.get("SNAPSTORE_REPORT_DIR")
+    self._mesh: Any = None
+
+  @property
+  def enabled(self) -> bool:
+    return self.options is not None
+
+  def _manager(self) -> Any:
+    if self.manager is None:
+      import snapstore  # noqa: PLC0415
+      self.manager = snapstore.SnapshotManager(self.options)
+    return self.manager
+
+  # ----------------------------------------------------------- the wraps
+  def load_state_if_possible(self, original: Callable[..., Any], *args: Any,
+                             **kwargs: Any) -> Any:
+    import snapstore  # noqa: PLC0415
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    abstract = bound.arguments["abstract_unboxed_pre_state"]
+    orbax = bound.arguments.get("checkpoint_manager")
+    from maxtext.common import checkpointing  # noqa: PLC0415
+    orbax_step = checkpointing.latest_step(orbax) if orbax is not None else None
+    t0 = time.time()
+    r, why = None, "snapshots are off (snapshot_interval=0)"
+    if self.enabled:
+      try:
+        r = self._manager().restore(abstract)
+      except snapstore.NothingToRestoreError as e:
+        why = f"no complete snapshot ({e})"
+    if r is None or (orbax_step is not None and orbax_step > r.step):
+      if r is not None:
+        why = f"MaxText's Orbax step {orbax_step} is newer than snapshot step {r.step}"
+      t1 = time.time()
+      out = original(*args, **kwargs)
+      self._record_restore({"source": "maxtext" if orbax_step is not None else "init",
+                            "step": orbax_step, "why": why,
+                            "timings": {"total": time.time() - t1}}, t0)
+      return out
+    self._record_restore(r.summary(), t0)
+    self._digest(r.state, r.step)
+    return {"items": r.state}, None
+
+  def maybe_save_checkpoint(self, original: Callable[..., Any], checkpoint_manager: Any,
+                            state: Any, config: Any, data_iterator: Any,
+                            step: int | None = None) -> Any:
+    out = original(checkpoint_manager, state, config, data_iterator, step)
+    if step is None:  # the end of the run: the final state
+      if self.manager is not None:
+        self.manager.wait_until_finished()
+      self._digest(state, int(config.steps) - 1)
+      self._write()
+      return out
+    _faults.point("step", int(step))  # a test's seeded SIGKILL (snapstore launch)
+    self.report["times"][int(step)] = time.time()  # the step and MaxText's own save done
+    if self.enabled:
+      self._manager().save(int(step), state)
+    return out
+
+  def write_metrics(self, original: Callable[..., Any], logger: Any, metrics: Any,
+                    step: int, *args: Any, **kwargs: Any) -> Any:
+    loss = (metrics or {}).get("scalar", {}).get("learning/loss")
+    if loss is not None:
+      self.report["losses"][int(step)] = float(loss)
+      self._write()
+    return original(logger, metrics, step, *args, **kwargs)
+
+  # ------------------------------------------------------------- reports
+  def _record_restore(self, summary: dict[str, Any], t0: float) -> None:
+    summary = dict(summary, started=t0, ended=time.time())
+    self.report["restores"].append(summary)
+    if self._report_dir:
+      import jax  # noqa: PLC0415
+      from snapstore.launch import incarnation_from_env, report_restore  # noqa: PLC0415
+      if jax.process_index() == 0:
+        report_restore(summary, incarnation_from_env() or 0)
+    self._write()
+
+  def _digest(self, state: Any, step: int) -> None:
+    """Under ``snapstore launch``: the sha256 of the global state (every
+    byte gathered to every process by one jitted identity), by host 0."""
+    if not self._report_dir:
+      return
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+    from snapstore.launch import incarnation_from_env, report_digest  # noqa: PLC0415
+    leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+              else x for x in jax.tree.leaves(state)]
+    mesh = next(x.sharding.mesh for x in leaves
+                if isinstance(getattr(x, "sharding", None), NamedSharding))
+    whole = jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, PartitionSpec()))(leaves)
+    h = hashlib.sha256()
+    for x in whole:
+      h.update(np.asarray(x.addressable_shards[0].data).tobytes())
+    self.report["digests"][int(step)] = h.hexdigest()
+    if jax.process_index() == 0:
+      report_digest(int(step), h.hexdigest(), incarnation_from_env() or 0)
+
+  def _write(self) -> None:
+    if not self._report_dir:
+      return
+    import jax  # noqa: PLC0415
+    from snapstore._manifest import write_atomic  # noqa: PLC0415
+    inc = os.environ.get("SNAPSTORE_INCARNATION", "0")
+    attempt = os.environ.get("SNAPSTORE_ATTEMPT", "0")
+    name = f"maxtext-inc{inc}-host{jax.process_index()}" + (
+        f"-r{attempt}" if attempt != "0" else "")
+    if self.manager is not None:
+      self.report["save_metrics"] = self.manager.metrics.as_dict()
+    write_atomic(Path(self._report_dir) / f"{name}.json", json.dumps(self.report).encode())
+
+  def close(self) -> None:
+    if self.manager is not None:
+      self.manager.close()
+
+
+def _wrap(module: Any, name: str, method: Callable[..., Any]) -> None:
+  original = getattr(module, name)
+
+  @functools.wraps(original)
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
+    return method(original, *args, **kwargs)
+  setattr(module, name, wrapped)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv if argv is None else argv)
+  if len(argv) < 2:
+    raise SystemExit(__doc__)
+  check_maxtext()
+  yml, from_yml = _yaml_without_snapshot_keys(argv[1])
+  rest, from_cli = split_snapshot_keys(argv[2:])
+  engine = _Engine({**from_yml, **from_cli, **_run_keys(rest, yml)})
+  if os.environ.get("SNAPSTORE_COORDINATOR"):  # under snapstore launch: join first
+    from snapstore.launch import init_from_env  # noqa: PLC0415
+    init_from_env()
+  from maxtext.common import checkpointing, metric_logger  # noqa: PLC0415
+  from maxtext.trainers.pre_train import train  # noqa: PLC0415
+  _wrap(checkpointing, "load_state_if_possible", engine.load_state_if_possible)
+  _wrap(checkpointing, "maybe_save_checkpoint", engine.maybe_save_checkpoint)
+  _wrap(metric_logger.MetricLogger, "write_metrics", engine.write_metrics)
+  from absl import flags  # noqa: PLC0415
+  flags.FLAGS(argv[:1])  # MaxText reads absl flags (defaults) without app.run
+  try:
+    train.main([argv[0], yml, *rest])
+  finally:
+    engine.close()
+    if yml != argv[1]:
+      with contextlib.suppress(OSError):
+        os.unlink(yml)
+  return 0
+
+
+def _run_keys(args: Sequence[str], yml: str) -> dict[str, Any]:
+  """The MaxText keys snapstore reads too (``run_name``), from the command
+  line, else the yml."""
+  for a in args:
+    if a.startswith("run_name="):
+      return {"run_name": a.partition("=")[2]}
+  import yaml  # noqa: PLC0415
+  doc = yaml.safe_load(Path(yml).read_text()) or {}
+  return {"run_name": doc["run_name"]} if doc.get("run_name") else {}
+
+
+if __name__ == "__main__":
+  try:
+    raise SystemExit(main())
+  except (MaxTextConfigError, UnsupportedMaxTextError) as e:
+    sys.stderr.write(f"snapstore: {e}\n")
+    raise SystemExit(2) from None
