@@ -9,6 +9,8 @@ import pytest
 from benchmarks import (capture, checksum, demo_overhead, goodput, multihost, overhead, restore,
                         rewind, soak, vs_orbax, vs_orbax_snapshotter)
 
+pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
+
 
 def _run(module, argv, out):
   assert module.main([*argv, "--out", str(out)]) == 0

@@ -9,6 +9,8 @@ import pytest
 
 from snapstore.launch import Kill, launch
 
+pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 

@@ -6,24 +6,24 @@ restore a RAM snapshot at most one step back (snapshots on) or MaxText's
 own Orbax checkpoint (snapshots off), and every later loss and the final
 global state must equal the reference's bitwise.
 
-Needs MaxText (``pip install -e '.[maxtext]'``, Python >= 3.12); skipped
-without it.
+Needs MaxText (Python >= 3.12, ``pip install --no-deps -r
+requirements/maxtext-0.2.5-cpu.txt``); skipped without it.
 """
 
-import json
 import random
-import shutil
 import subprocess
 import sys
-import uuid
-from pathlib import Path
 
 import pytest
 
 maxtext = pytest.importorskip(
-    "maxtext", reason="MaxText is not installed (pip install -e '.[maxtext]', Python >= 3.12)")
+    "maxtext", reason="MaxText is not installed (Python >= 3.12: pip install --no-deps -r "
+           "requirements/maxtext-0.2.5-cpu.txt)")
 
-from snapstore.launch import Kill, launch  # noqa: E402
+from benchmarks.maxtext import MODULE, base_yml, run_job  # noqa: E402
+from snapstore.launch import Kill  # noqa: E402
+
+pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 
 STEPS = 8
 PERIOD = 3  # MaxText's own Orbax checkpoint period
@@ -31,17 +31,6 @@ PERIOD = 3  # MaxText's own Orbax checkpoint period
 # MaxText's checkpoint period: there its Orbax step would equal the killed
 # step and rightly be preferred to the snapshot one step back.
 KILL = random.Random(5).choice([s for s in range(PERIOD + 1, STEPS - 1) if s % PERIOD])
-MODULE = "snapstore.integrations.maxtext.train"
-TINY = ["dataset_type=synthetic", "per_device_batch_size=1", "max_target_length=32",
-        "base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2",
-        "base_mlp_dim=64", "base_num_decoder_layers=1", "head_dim=16", "vocab_size=128",
-        "hardware=cpu", "enable_checkpointing=true", "async_checkpointing=false",
-        f"checkpoint_period={PERIOD}", f"steps={STEPS}", "log_period=1000",
-        "enable_goodput_recording=false", "monitor_goodput=false"]
-
-
-def base_yml() -> str:
-  return str(Path(maxtext.__file__).parent / "configs" / "base.yml")
 
 
 @pytest.fixture(scope="module")
@@ -50,27 +39,13 @@ def cache_dir(tmp_path_factory):
 
 
 class Run:
-  def __init__(self, tmp_path: Path, cache_dir: Path, name: str, snapshots: bool):
-    self.out = tmp_path / name
-    self.out.mkdir()
-    self.store = Path("/dev/shm") / f"snapstore-mt-{uuid.uuid4().hex[:8]}"
-    self.args = [base_yml(), *TINY, f"run_name={name}",
-                 f"base_output_directory={tmp_path / 'orbax'}",
-                 f"jax_cache_dir={cache_dir}", f"snapshot_store_dir={self.store}",
-                 f"snapshot_interval={1 if snapshots else 0}", "snapshot_keep=2",
-                 "snapshot_replicas=1"]
-    self.name = name
+  def __init__(self, tmp_path, cache_dir, name, snapshots):
+    self.work, self.cache_dir, self.name, self.snapshots = tmp_path, cache_dir, name, snapshots
 
   def run(self, kills=()):
-    env = {"JAX_PLATFORMS": "cpu", "DECOUPLE_GCLOUD": "TRUE"}
-    try:
-      self.incs = launch(MODULE, self.args, num_hosts=2, devices_per_host=2,
-                         store_dir=self.store, run_id=self.name, kills=kills,
-                         timeout_s=280, log_dir=self.out, env=env)
-    finally:
-      shutil.rmtree(self.store, ignore_errors=True)
-    last = self.incs[-1].number
-    self.report = json.loads((self.out / f"maxtext-inc{last}-host0.json").read_text())
+    self.incs, self.report = run_job(self.work, self.name, steps=STEPS, period=PERIOD,
+                                     snapshots=self.snapshots, cache_dir=self.cache_dir,
+                                     kills=kills)
     return self
 
 
@@ -98,8 +73,8 @@ def test_killed_maxtext_resumes_from_a_ram_snapshot_one_step_back(
     reference, tmp_path, cache_dir):
   run = Run(tmp_path, cache_dir, "snap", snapshots=True).run(
       [Kill(host=1, step=KILL, phase="step")])
-  # Killed after step `kill` trained, before its snapshot: the newest
-  # complete snapshot is step kill - 1, one step back.
+  # Killed after step KILL trained, before its snapshot: the newest
+  # complete snapshot is step KILL - 1, one step back.
   r = check_resumed(run, reference, source="snapshot", step=KILL - 1)
   assert r["rewind_steps"] <= 1
   # The restored state equals the reference's state at that step, bitwise

@@ -19,6 +19,8 @@ from snapstore._backends.hostfiles.store import host_dir
 from snapstore._manifest import decode
 from snapstore.launch import Kill, launch
 
+pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
+
 STEPS = 7
 HOSTS = 4
 

@@ -64,7 +64,8 @@ def check_maxtext() -> str:
     from maxtext import version  # noqa: PLC0415
   except ImportError as e:
     raise UnsupportedMaxTextError(
-        "MaxText is not installed: pip install -e '.[maxtext]' (Python >= 3.12)") from e
+        "MaxText is not installed (Python >= 3.12: pip install --no-deps -r "
+        "requirements/maxtext-0.2.5-cpu.txt)") from e
   found = getattr(version, "__version__", "unknown")
   if found not in SUPPORTED_MAXTEXT:
     raise UnsupportedMaxTextError(
