@@ -5,8 +5,9 @@ and incarnation a ``Kill(phase=...)`` names::
 
   SNAPSTORE_FAULT=<phase>@<step>     e.g. manifest@6
 
-Phases: ``step`` (a train step done, before its snapshot: for loops that
-call it, like ``snapstore.integrations.maxtext.train``), ``capture`` (half the leaves captured), ``replica`` (a replica
+Phases: ``step`` (a train step computed and the previous snapshot
+committed, before this step's snapshot; in loops that call it, like
+``snapstore.integrations.maxtext.train``), ``capture`` (half the leaves captured), ``replica`` (a replica
 transfer dispatched, not awaited), ``manifest`` (the data and the manifest's
 temp file written, not renamed), ``restore`` (a plan chosen, half the leaves
 assembled). The kill is a real SIGKILL of the calling process: no handler, no
@@ -38,10 +39,16 @@ def parse(value: str | None) -> tuple[str, int] | None:
 _ARMED = parse(os.environ.get(ENV))
 
 
+def armed(phase: str, step: int) -> bool:
+  """Whether :func:`point` would kill at ``phase`` of ``step`` (a caller may
+  first settle what the kill should find, e.g. a step computed)."""
+  return _ARMED is not None and _ARMED[0] == phase and _ARMED[1] in (step, -1)
+
+
 def point(phase: str, step: int) -> None:
   """SIGKILLs this process if the environment armed ``phase`` at ``step``
   (``step`` -1 in the environment matches any step)."""
-  if _ARMED is None or _ARMED[0] != phase or _ARMED[1] not in (step, -1):
+  if not armed(phase, step):
     return
   sys.stderr.write(f"snapstore fault point: SIGKILL at {phase} of step {step}\n")
   sys.stderr.flush()
