@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks._common import cleanup, emit, ram_dir, step_intervals
 
 MODULE = "snapstore.integrations.maxtext.train"
-TINY = ("dataset_type=synthetic", "per_device_batch_size=1", "max_target_length=32",
+TINY = ("per_device_batch_size=1", "max_target_length=32",
         "base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2",
         "base_mlp_dim=64", "base_num_decoder_layers=1", "head_dim=16", "vocab_size=128",
         "hardware=cpu", "enable_checkpointing=true", "async_checkpointing=false",
@@ -41,18 +41,41 @@ def base_yml() -> str:
   return str(Path(maxtext.__file__).parent / "configs" / "base.yml")
 
 
+def grain_args(work: Path, records: int = 256, seed: int = 0) -> list[str]:
+  """Writes a pre-tokenized ArrayRecord file of tf.train.Example protos (no
+  TensorFlow: MaxText's own protos) and returns MaxText's keys for a grain
+  pipeline over it."""
+  import numpy as np  # noqa: PLC0415
+  from array_record.python.array_record_module import ArrayRecordWriter  # noqa: PLC0415
+  from maxtext.input_pipeline.protos import example_pb2  # noqa: PLC0415
+  path = work / "train.array_record"
+  rng = np.random.default_rng(seed)
+  writer = ArrayRecordWriter(str(path), "group_size:1")
+  for _ in range(records):
+    example = example_pb2.Example()
+    example.features.feature["text"].int64_list.value.extend(
+        rng.integers(3, 120, rng.integers(4, 28)).tolist())
+    writer.write(example.SerializeToString())
+  writer.close()
+  tokenizer = Path(base_yml()).parent.parent / "assets" / "tokenizers" / "tokenizer.llama2"
+  return ["dataset_type=grain", f"grain_train_files={path}", "grain_file_type=arrayrecord",
+          "tokenize_train_data=false", f"tokenizer_path={tokenizer}", "grain_worker_count=0"]
+
+
 def run_job(work: Path, name: str, *, steps: int, period: int, snapshots: bool,
             cache_dir: Path, kills: Sequence[Any] = (), timeout_s: float = 280,
+            data: Sequence[str] = ("dataset_type=synthetic",),
             extra: Sequence[str] = ()) -> tuple[list[Any], dict[str, Any]]:
   """One MaxText job under ``snapstore launch`` (2 processes x 2 devices):
   its store in ``work/store-<name>`` (removed after), MaxText's Orbax
   checkpoints in ``work/orbax``, reports and logs in ``work/<name>``.
-  Returns (incarnations, host 0's report of the last incarnation)."""
+  ``data``: MaxText's data keys (``grain_args`` for grain). Returns
+  (incarnations, host 0's report of the last incarnation)."""
   from snapstore.launch import launch  # noqa: PLC0415
   out = work / name
   out.mkdir(parents=True)
   store = work / f"store-{name}"
-  args = [base_yml(), *TINY, f"steps={steps}", f"checkpoint_period={period}",
+  args = [base_yml(), *TINY, *data, f"steps={steps}", f"checkpoint_period={period}",
           f"run_name={name}", f"base_output_directory={work / 'orbax'}",
           f"jax_cache_dir={cache_dir}", f"snapshot_store_dir={store}",
           f"snapshot_interval={1 if snapshots else 0}", "snapshot_keep=2",

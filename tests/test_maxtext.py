@@ -20,7 +20,7 @@ maxtext = pytest.importorskip(
     "maxtext", reason="MaxText is not installed (Python >= 3.12: pip install --no-deps -r "
            "requirements/maxtext-0.2.5-cpu.txt)")
 
-from benchmarks.maxtext import MODULE, base_yml, run_job  # noqa: E402
+from benchmarks.maxtext import MODULE, base_yml, grain_args, run_job  # noqa: E402
 from snapstore.launch import Kill  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
@@ -39,13 +39,14 @@ def cache_dir(tmp_path_factory):
 
 
 class Run:
-  def __init__(self, tmp_path, cache_dir, name, snapshots):
+  def __init__(self, tmp_path, cache_dir, name, snapshots, data=("dataset_type=synthetic",)):
     self.work, self.cache_dir, self.name, self.snapshots = tmp_path, cache_dir, name, snapshots
+    self.data = data
 
   def run(self, kills=()):
     self.incs, self.report = run_job(self.work, self.name, steps=STEPS, period=PERIOD,
                                      snapshots=self.snapshots, cache_dir=self.cache_dir,
-                                     kills=kills)
+                                     kills=kills, data=self.data)
     return self
 
 
@@ -90,6 +91,16 @@ def test_snapshots_off_resumes_from_maxtexts_orbax_checkpoint(reference, tmp_pat
   assert KILL - orbax_step >= 1
   r = check_resumed(run, reference, source="maxtext", step=orbax_step)
   assert "snapshots are off" in r["why"]
+
+
+def test_grain_data_resumes_where_the_snapshot_left_its_iterator(tmp_path, cache_dir):
+  """With grain data the iterator's state is in the snapshot: the resumed
+  run reads the batches the uninterrupted one read (its losses prove it)."""
+  data = grain_args(tmp_path)
+  ref = Run(tmp_path, cache_dir, "gref", snapshots=True, data=data).run()
+  run = Run(tmp_path, cache_dir, "grain", snapshots=True, data=data).run(
+      [Kill(host=1, step=KILL, phase="step")])
+  check_resumed(run, ref, source="snapshot", step=KILL - 1)
 
 
 def test_an_unknown_snapshot_key_is_an_error_naming_it(tmp_path):

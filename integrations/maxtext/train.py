@@ -128,6 +128,10 @@ class _Engine:
     orbax_step = checkpointing.latest_step(orbax) if orbax is not None else None
     t0 = time.time()
     r, why = None, "snapshots are off (snapshot_interval=0)"
+    iterator = _grain_iterator(bound.arguments.get("data_iterator"),
+                               bound.arguments.get("dataset_type"))
+    if iterator is not None:
+      abstract = {"maxtext": abstract, "data_iterator": _iterator_rows_abstract()}
     if self.enabled:
       try:
         r = self._manager().restore(abstract)
@@ -142,9 +146,13 @@ class _Engine:
                             "step": orbax_step, "why": why,
                             "timings": {"total": time.time() - t1}}, t0)
       return out
+    state = r.state
+    if iterator is not None:
+      _set_iterator_state(iterator, state["data_iterator"])
+      state = state["maxtext"]
     self._record_restore(r.summary(), t0)
-    self._digest(r.state, r.step)
-    return {"items": r.state}, None
+    self._digest(state, r.step)
+    return {"items": state}, None
 
   def maybe_save_checkpoint(self, original: Callable[..., Any], checkpoint_manager: Any,
                             state: Any, config: Any, data_iterator: Any,
@@ -164,6 +172,9 @@ class _Engine:
       _faults.point("step", int(step))
     self.report["times"][int(step)] = time.time()  # the step and MaxText's own save done
     if self.enabled:
+      iterator = _grain_iterator(data_iterator, getattr(config, "dataset_type", None))
+      if iterator is not None:  # its state as of this step, as MaxText's own save takes it
+        state = {"maxtext": state, "data_iterator": _iterator_rows(iterator)}
       self._manager().save(int(step), state)
     return out
 
@@ -225,6 +236,69 @@ class _Engine:
       self.manager.close()
 
 
+# The grain iterator's state travels in the snapshot as one row of bytes per
+# process of a (processes, ITERATOR_ROW_BYTES) uint8 array sharded by
+# process: replicated across failure domains and checked like every shard.
+ITERATOR_ROW_BYTES = 1 << 14
+
+
+def _grain_iterator(data_iterator: Any, dataset_type: Any) -> Any:
+  """The grain iterator whose state a snapshot must carry, or None."""
+  if dataset_type != "grain" or data_iterator is None:
+    return None
+  it = getattr(data_iterator, "local_iterator", None)
+  if it is None or not (hasattr(it, "get_state") and hasattr(it, "set_state")):
+    raise NotImplementedError(
+        f"dataset_type=grain with a {type(data_iterator).__name__} iterator (a list of "
+        "iterators, elastic or remote iterators): snapstore cannot carry its state yet; "
+        "set snapshot_interval=0")
+  return it
+
+
+def _rows_sharding() -> Any:
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  mesh = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("process", "local"))
+  return NamedSharding(mesh, PartitionSpec("process"))
+
+
+def _iterator_rows_abstract() -> Any:
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  return jax.ShapeDtypeStruct((jax.process_count(), ITERATOR_ROW_BYTES), np.uint8,
+                              sharding=_rows_sharding())
+
+
+def _iterator_rows(iterator: Any) -> Any:
+  """This process's iterator state as its row of the global array:
+  kind (``B`` bytes, ``J`` JSON), length (4 bytes, little-endian), payload."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  state = iterator.get_state()
+  kind, payload = ((b"B", bytes(state)) if isinstance(state, (bytes, bytearray))
+                   else (b"J", json.dumps(state).encode()))
+  blob = kind + len(payload).to_bytes(4, "little") + payload
+  if len(blob) > ITERATOR_ROW_BYTES:
+    raise ValueError(f"the grain iterator's state is {len(blob)} bytes; snapshots carry "
+                     f"at most {ITERATOR_ROW_BYTES}")
+  row = np.zeros((1, ITERATOR_ROW_BYTES), np.uint8)
+  row[0, :len(blob)] = np.frombuffer(blob, np.uint8)
+  abstract = _iterator_rows_abstract()
+  return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda _: row)
+
+
+def _set_iterator_state(iterator: Any, rows: Any) -> None:
+  import numpy as np  # noqa: PLC0415
+  row = np.asarray(rows.addressable_shards[0].data).reshape(-1).tobytes()
+  kind, size = row[:1], int.from_bytes(row[1:5], "little")
+  if kind not in (b"B", b"J") or size > len(row) - 5:
+    raise ValueError("the snapshot's grain iterator state is malformed")
+  payload = row[5:5 + size]
+  iterator.set_state(payload if kind == b"B" else json.loads(payload))
+
+
 def _wrap(module: Any, name: str, method: Callable[..., Any]) -> None:
   original = getattr(module, name)
 
@@ -251,7 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   _wrap(checkpointing, "maybe_save_checkpoint", engine.maybe_save_checkpoint)
   _wrap(metric_logger.MetricLogger, "write_metrics", engine.write_metrics)
   from absl import flags  # noqa: PLC0415
+  from absl import logging as absl_logging  # noqa: PLC0415
   flags.FLAGS(argv[:1])  # MaxText reads absl flags (defaults) without app.run
+  absl_logging.set_verbosity(absl_logging.INFO)  # MaxText's step log, as under app.run
   try:
     train.main([argv[0], yml, *rest])
   finally:
