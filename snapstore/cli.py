@@ -121,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   d.add_argument("--step-s", type=float, default=0.3,
                  help="pad each step to this long (a sleep standing for accelerator "
                       "compute; the toy model's own step is ~0.1 s)")
+  d.add_argument("--replica-interval", type=int, default=2,
+                 help="cross-domain replicas travel with every this-many-th snapshot "
+                      "(1: every one; the killed host's store is wiped, so its rewind "
+                      "is up to this many steps)")
   d.add_argument("--persistent-dir", default=None,
                  help="Orbax directory (default: gs:// on a local GCS emulator)")
   d.add_argument("--report", default="demo-report.json")

@@ -50,7 +50,7 @@ RUNS = {  # name -> (snapshots, in place)
 
 def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: bool,
          kill_step: int, checkpoint_every: int, total_steps: int, step_s: float,
-         env: dict[str, str], progress: Progress) -> dict[str, Any]:
+         replica_interval: int, env: dict[str, str], progress: Progress) -> dict[str, Any]:
   out = work / name
   out.mkdir()
   store = work / f"store-{name}"
@@ -68,7 +68,7 @@ def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: b
                    "--run-id", "demo", "--persistent", persistent,
                    "--checkpoint-every", str(checkpoint_every), "--hosts-per-domain", "2",
                    "--snapshots", "1" if snapshots else "0", "--no-digest-restore",
-                   "--min-step-s", str(step_s)],
+                   "--min-step-s", str(step_s), "--replica-interval", str(replica_interval)],
                   num_hosts=HOSTS, devices_per_host=DEVICES_PER_HOST, store_dir=store,
                   run_id="demo", kills=[Kill(KILLED_HOST, kill_step, lose_store=True)],
                   timeout_s=600, log_dir=out, env=env, in_place=in_place)
@@ -136,7 +136,8 @@ def _median_step(times: dict[str, float], kill_step: int) -> float:
 
 
 def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: int = 62,
-             step_s: float = 0.3, persistent_dir: str | None = None,
+             step_s: float = 0.3, replica_interval: int = 2,
+             persistent_dir: str | None = None,
              report: str = "demo-report.json",
              plot: str = "demo-timeline.png",
              progress: Progress = lambda run, s: None) -> dict[str, Any]:
@@ -162,12 +163,14 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
       runs[name] = _run(name, work=work, persistent=where(name), snapshots=snapshots,
                         in_place=in_place, kill_step=kill_step,
                         checkpoint_every=checkpoint_every, total_steps=total_steps,
-                        step_s=step_s, env=env, progress=progress)
+                        step_s=step_s, replica_interval=replica_interval, env=env,
+                        progress=progress)
   plain = runs["gcs-only"]["step_s"]
   snap = float(np.median([runs[n]["step_s"] for n in RUNS if RUNS[n][0]]))
   out = {
       "hosts": HOSTS, "devices_per_host": DEVICES_PER_HOST, "killed_host": KILLED_HOST,
       "kill_step": kill_step, "checkpoint_every": checkpoint_every,
+      "replica_interval": replica_interval,
       "total_steps": total_steps, "min_step_s": step_s,
       "persistent": "gcs-emulator" if persistent_dir is None else persistent_dir,
       "runs": runs,
@@ -177,6 +180,8 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
           for n, r in runs.items()},
       "step_s_with_snapshots": snap, "step_s_without": plain,
       "snapshot_overhead": snap / plain - 1.0,
+      "snapshot_overhead_by_run": {n: runs[n]["step_s"] / plain - 1.0
+                                   for n in RUNS if RUNS[n][0]},
   }
   Path(report).write_text(json.dumps(out, indent=2))
   _plot(runs, kill_step, plot)
