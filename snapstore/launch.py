@@ -108,15 +108,19 @@ def incarnation_from_env() -> int | None:
   return int(value) if value.isdigit() else None
 
 
-def report_restore(summary: dict[str, Any], incarnation: int) -> None:
+def report_restore(summary: dict[str, Any], incarnation: int, *,
+                   replace_last: bool = False) -> None:
   """Under :func:`launch` (``SNAPSTORE_REPORT_DIR`` set): records host 0's
   restore summary where the supervisor reads it for its incarnation report
-  (one job incarnation may restore several times when it recovers in place)."""
+  (one job incarnation may restore several times when it recovers in place).
+  ``replace_last``: this restore superseded the last one recorded."""
   where = os.environ.get(REPORT_DIR_ENV)
   if where:
     job = incarnation_from_env()
     path = Path(where) / f"restore-inc{incarnation if job is None else job}.json"
     doc = json.loads(path.read_text()) if path.exists() else []
+    if replace_last and doc:
+      doc.pop()
     doc.append(dict(summary, incarnation=incarnation, time=time.time()))
     write_atomic(path, json.dumps(doc).encode())
 

@@ -290,7 +290,8 @@ class InPlace:
       who = None
     if who is not None:
       raise PeerFailed(f"process {who} failed this step")
-    self._in_a_row = 0
+    if not self.changed:  # a step after the restore ran: the job is past the failure
+      self._in_a_row = 0
 
   def _order_for(self, key: tuple[tuple[int, int], ...],
                  incarnations: dict[jax.Device, int]) -> list[jax.Device]:

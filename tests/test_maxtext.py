@@ -93,6 +93,20 @@ def test_snapshots_off_resumes_from_maxtexts_orbax_checkpoint(reference, tmp_pat
   assert "snapshots are off" in r["why"]
 
 
+def test_a_newer_maxtext_checkpoint_wins_over_an_older_snapshot(reference, tmp_path, cache_dir):
+  """Killed right after MaxText's own checkpoint of a period step, before
+  that step's snapshot: its Orbax step is one newer than the newest
+  snapshot, and MaxText's restore is used (and reported, not the snapshot
+  read before the comparison)."""
+  kill = STEPS // PERIOD * PERIOD
+  assert PERIOD < kill < STEPS - 1
+  run = Run(tmp_path, cache_dir, "newer", snapshots=True).run(
+      [Kill(host=1, step=kill, phase="step")])
+  r = check_resumed(run, reference, source="maxtext", step=kill)
+  assert f"Orbax step {kill} is newer than snapshot step {kill - 1}" in r["why"]
+  assert run.incs[-1].restore["source"] == "maxtext"
+
+
 def test_grain_data_resumes_where_the_snapshot_left_its_iterator(tmp_path, cache_dir):
   """With grain data the iterator's state is in the snapshot: the resumed
   run reads the batches the uninterrupted one read (its losses prove it)."""

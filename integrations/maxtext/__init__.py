@@ -65,7 +65,10 @@ def split_snapshot_keys(args: Sequence[str]) -> tuple[list[str], dict[str, Any]]
     if key.startswith("snapshot_"):
       if not eq:
         raise MaxTextConfigError(f"{a!r}: expected {key}=<value>")
-      ours[key] = yaml.safe_load(value)
+      try:
+        ours[key] = yaml.safe_load(value)
+      except yaml.YAMLError as e:
+        raise MaxTextConfigError(f"{key}={value!r}: not a YAML value ({e})") from e
     else:
       rest.append(a)
   return rest, ours
@@ -84,15 +87,19 @@ def snapshot_options(config: Mapping[str, Any]) -> SnapshotOptions | None:
       raise MaxTextConfigError(f"unknown snapstore key {key!r}; known: "
                                f"{', '.join(sorted(TRAIN_KEYS))}")
     fields[TRAIN_KEYS[key]] = value
-  if fields.get("interval", 1) == 0:
+  off = fields.get("interval", 1) == 0
+  names = {**{f: k for k, f in TRAIN_KEYS.items()}, "run_id": "run_name"}
+  for field in fields:  # one key at a time (off or not), so the error names it
+    if field == "interval" and off:
+      continue
+    try:
+      SnapshotOptions(**{field: fields[field]},
+                      **({"host_mtbf_s": 1.0} if field == "interval" else {}))
+    except (TypeError, ValueError) as e:
+      key = names[field]
+      raise MaxTextConfigError(f"{key}={config[key]!r}: {e}") from e
+  if off:
     return None
-  for key, field in TRAIN_KEYS.items():  # check one key at a time, to name it
-    if field in fields and key in config:
-      try:
-        SnapshotOptions(**{field: fields[field]},
-                        **({"host_mtbf_s": 1.0} if field == "interval" else {}))
-      except (TypeError, ValueError) as e:
-        raise MaxTextConfigError(f"{key}={config[key]!r}: {e}") from e
   try:
     return SnapshotOptions(**fields)
   except (TypeError, ValueError) as e:

@@ -34,6 +34,7 @@ digests of the global state) to ``$SNAPSTORE_REPORT_DIR``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -81,15 +82,20 @@ def _yaml_without_snapshot_keys(path: str) -> tuple[str, dict[str, Any]]:
   written only if ``path`` has such keys; its ``base_config`` is made absolute
   so the copy resolves it as the original did."""
   import yaml  # noqa: PLC0415  (MaxText's dependency)
+  if not Path(path).is_file():  # a key=value, or a path MaxText resolves itself
+    return path, {}
   doc = yaml.safe_load(Path(path).read_text()) or {}
   keys = {k: v for k, v in doc.items() if str(k).startswith("snapshot_")}
   if not keys:
     return path, {}
   rest = {k: v for k, v in doc.items() if k not in keys}
+  here = Path(path).resolve().parent
   base = rest.get("base_config")
-  if base and not os.path.isabs(base):
-    rest["base_config"] = str(Path(path).resolve().parent / base)
-  fd, copy = tempfile.mkstemp(prefix="maxtext-", suffix=".yml")
+  if base and not os.path.isabs(base) and (here / base).is_file():
+    rest["base_config"] = str(here / base)
+  # Beside the original when possible: MaxText looks for models/<name>.yml there.
+  fd, copy = tempfile.mkstemp(prefix=".snapstore-", suffix=".yml",
+                              dir=here if os.access(here, os.W_OK) else None)
   with os.fdopen(fd, "w") as f:
     yaml.safe_dump(rest, f)
   return copy, keys
@@ -111,9 +117,15 @@ class _Engine:
   def enabled(self) -> bool:
     return self.options is not None
 
-  def _manager(self) -> Any:
+  def _manager(self, maxtext_config: Any = None) -> Any:
+    """Built at MaxText's restore, when JAX is up, under the run name MaxText
+    resolved (its yml chain, ``M_RUN_NAME``, ... not only the command line):
+    a run never restores another run's snapshots."""
     if self.manager is None:
       import snapstore  # noqa: PLC0415
+      name = getattr(maxtext_config, "run_name", None)
+      if name:
+        self.options = dataclasses.replace(self.options, run_id=str(name))
       self.manager = snapstore.SnapshotManager(self.options)
     return self.manager
 
@@ -121,37 +133,41 @@ class _Engine:
   def load_state_if_possible(self, original: Callable[..., Any], *args: Any,
                              **kwargs: Any) -> Any:
     import snapstore  # noqa: PLC0415
+    from maxtext.common import checkpointing  # noqa: PLC0415
     bound = inspect.signature(original).bind(*args, **kwargs)
     abstract = bound.arguments["abstract_unboxed_pre_state"]
     orbax = bound.arguments.get("checkpoint_manager")
-    from maxtext.common import checkpointing  # noqa: PLC0415
     orbax_step = checkpointing.latest_step(orbax) if orbax is not None else None
     t0 = time.time()
     r, why = None, "snapshots are off (snapshot_interval=0)"
-    iterator = _grain_iterator(bound.arguments.get("data_iterator"),
-                               bound.arguments.get("dataset_type"))
-    if iterator is not None:
-      abstract = {"maxtext": abstract, "data_iterator": _iterator_rows_abstract()}
+    grain = bound.arguments.get("dataset_type") == "grain"
     if self.enabled:
+      if grain:
+        abstract = {"maxtext": abstract, "data_iterator": _iterator_rows_abstract()}
       try:
-        r = self._manager().restore(abstract)
+        r = self._manager(bound.arguments.get("maxtext_config")).restore(abstract)
       except snapstore.NothingToRestoreError as e:
         why = f"no complete snapshot ({e})"
     if r is None or (orbax_step is not None and orbax_step > r.step):
       if r is not None:
         why = f"MaxText's Orbax step {orbax_step} is newer than snapshot step {r.step}"
+        r = None  # its arrays are not needed: free them before MaxText reads its own
       t1 = time.time()
       out = original(*args, **kwargs)
       self._record_restore({"source": "maxtext" if orbax_step is not None else "init",
                             "step": orbax_step, "why": why,
-                            "timings": {"total": time.time() - t1}}, t0)
+                            "timings": {"total": time.time() - t1}}, t0,
+                           replaces_report=self.manager is not None and "newer" in why)
       return out
     state = r.state
-    if iterator is not None:
-      _set_iterator_state(iterator, state["data_iterator"])
+    if grain:
+      _set_iterator_state(bound.arguments.get("data_iterator"), state["data_iterator"])
       state = state["maxtext"]
-    self._record_restore(r.summary(), t0)
+    self._record_restore(r.summary(), t0, reported=True)
     self._digest(state, r.step)
+    if isinstance(orbax, (checkpointing.EmergencyCheckpointManager,
+                          checkpointing.EmergencyReplicatorCheckpointManager)):
+      return state, None  # MaxText takes these managers' restore as it is
     return {"items": state}, None
 
   def maybe_save_checkpoint(self, original: Callable[..., Any], checkpoint_manager: Any,
@@ -172,10 +188,9 @@ class _Engine:
       _faults.point("step", int(step))
     self.report["times"][int(step)] = time.time()  # the step and MaxText's own save done
     if self.enabled:
-      iterator = _grain_iterator(data_iterator, getattr(config, "dataset_type", None))
-      if iterator is not None:  # its state as of this step, as MaxText's own save takes it
-        state = {"maxtext": state, "data_iterator": _iterator_rows(iterator)}
-      self._manager().save(int(step), state)
+      if getattr(config, "dataset_type", None) == "grain":  # as MaxText's own save takes it
+        state = {"maxtext": state, "data_iterator": _iterator_rows(data_iterator)}
+      self._manager(config).save(int(step), state)
     return out
 
   def write_metrics(self, original: Callable[..., Any], logger: Any, metrics: Any,
@@ -187,14 +202,18 @@ class _Engine:
     return original(logger, metrics, step, *args, **kwargs)
 
   # ------------------------------------------------------------- reports
-  def _record_restore(self, summary: dict[str, Any], t0: float) -> None:
+  def _record_restore(self, summary: dict[str, Any], t0: float, *, reported: bool = False,
+                      replaces_report: bool = False) -> None:
+    """Into this process's report, and (host 0) the supervisor's, unless the
+    manager's restore already put it there; ``replaces_report``: MaxText's
+    own restore won over the snapshot the manager reported."""
     summary = dict(summary, started=t0, ended=time.time())
     self.report["restores"].append(summary)
-    if self._report_dir:
+    if self._report_dir and not reported:
       import jax  # noqa: PLC0415
       from snapstore.launch import incarnation_from_env, report_restore  # noqa: PLC0415
       if jax.process_index() == 0:
-        report_restore(summary, incarnation_from_env() or 0)
+        report_restore(summary, incarnation_from_env() or 0, replace_last=replaces_report)
     self._write()
 
   def _digest(self, state: Any, step: int) -> None:
@@ -242,17 +261,17 @@ class _Engine:
 ITERATOR_ROW_BYTES = 1 << 14
 
 
-def _grain_iterator(data_iterator: Any, dataset_type: Any) -> Any:
-  """The grain iterator whose state a snapshot must carry, or None."""
-  if dataset_type != "grain" or data_iterator is None:
-    return None
-  it = getattr(data_iterator, "local_iterator", None)
-  if it is None or not (hasattr(it, "get_state") and hasattr(it, "set_state")):
+def _grain_iterator(data_iterator: Any) -> Any:
+  """The grain iterator whose state a snapshot carries; None on a host that
+  loads no data (MaxText's placeholder iterator). Every host makes the same
+  call (``dataset_type=grain``), so the snapshot's tree is the same everywhere."""
+  if isinstance(data_iterator, list) or type(data_iterator).__name__ == "RemoteIteratorWrapper":
     raise NotImplementedError(
         f"dataset_type=grain with a {type(data_iterator).__name__} iterator (a list of "
-        "iterators, elastic or remote iterators): snapstore cannot carry its state yet; "
-        "set snapshot_interval=0")
-  return it
+        "iterators, or a remote one): snapstore cannot carry its state yet; set "
+        "snapshot_interval=0")
+  it = getattr(data_iterator, "local_iterator", None)
+  return it if it is not None and hasattr(it, "get_state") and hasattr(it, "set_state") else None
 
 
 def _rows_sharding() -> Any:
@@ -271,15 +290,19 @@ def _iterator_rows_abstract() -> Any:
                               sharding=_rows_sharding())
 
 
-def _iterator_rows(iterator: Any) -> Any:
-  """This process's iterator state as its row of the global array:
-  kind (``B`` bytes, ``J`` JSON), length (4 bytes, little-endian), payload."""
+def _iterator_rows(data_iterator: Any) -> Any:
+  """This process's iterator state as its row of the global array: kind
+  (``B`` bytes, ``J`` JSON, ``N`` none: a host that loads no data), the
+  process index (4 bytes), the length (4 bytes), the payload."""
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
-  state = iterator.get_state()
-  kind, payload = ((b"B", bytes(state)) if isinstance(state, (bytes, bytearray))
+  iterator = _grain_iterator(data_iterator)
+  state = None if iterator is None else iterator.get_state()
+  kind, payload = ((b"N", b"") if iterator is None else
+                   (b"B", bytes(state)) if isinstance(state, (bytes, bytearray))
                    else (b"J", json.dumps(state).encode()))
-  blob = kind + len(payload).to_bytes(4, "little") + payload
+  blob = (kind + jax.process_index().to_bytes(4, "little") + len(payload).to_bytes(4, "little")
+          + payload)
   if len(blob) > ITERATOR_ROW_BYTES:
     raise ValueError(f"the grain iterator's state is {len(blob)} bytes; snapshots carry "
                      f"at most {ITERATOR_ROW_BYTES}")
@@ -289,14 +312,26 @@ def _iterator_rows(iterator: Any) -> Any:
   return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda _: row)
 
 
-def _set_iterator_state(iterator: Any, rows: Any) -> None:
+def _set_iterator_state(data_iterator: Any, rows: Any) -> None:
+  """Sets this process's iterator to the state in its own row (checked: the
+  row names the process that wrote it)."""
+  import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   row = np.asarray(rows.addressable_shards[0].data).reshape(-1).tobytes()
-  kind, size = row[:1], int.from_bytes(row[1:5], "little")
-  if kind not in (b"B", b"J") or size > len(row) - 5:
+  kind = row[:1]
+  writer, size = int.from_bytes(row[1:5], "little"), int.from_bytes(row[5:9], "little")
+  if kind not in (b"B", b"J", b"N") or size > len(row) - 9:
     raise ValueError("the snapshot's grain iterator state is malformed")
-  payload = row[5:5 + size]
-  iterator.set_state(payload if kind == b"B" else json.loads(payload))
+  if writer != jax.process_index():
+    raise ValueError(f"process {jax.process_index()} got the grain iterator state of "
+                     f"process {writer}")
+  iterator = _grain_iterator(data_iterator)
+  if (kind == b"N") != (iterator is None):
+    raise ValueError("the snapshot's grain iterator state does not match this host's "
+                     "data loader (one loads data, the other does not)")
+  if iterator is not None:
+    payload = row[9:9 + size]
+    iterator.set_state(payload if kind == b"B" else json.loads(payload))
 
 
 def _wrap(module: Any, name: str, method: Callable[..., Any]) -> None:
@@ -345,6 +380,8 @@ def _run_keys(args: Sequence[str], yml: str) -> dict[str, Any]:
     if a.startswith("run_name="):
       return {"run_name": a.partition("=")[2]}
   import yaml  # noqa: PLC0415
+  if not Path(yml).is_file():
+    return {}
   doc = yaml.safe_load(Path(yml).read_text()) or {}
   return {"run_name": doc["run_name"]} if doc.get("run_name") else {}
 
