@@ -137,6 +137,22 @@ def report_digest(step: int, digest: str, incarnation: int) -> None:
     write_atomic(path, json.dumps(doc).encode())
 
 
+def global_digest(state: Any, replicated: Any) -> str:
+  """The sha256 of a global state, the same on every process: every byte is
+  gathered to every process by one jitted identity onto ``replicated`` (a
+  fully replicated sharding of the state's mesh). Collective. Typed PRNG
+  keys count by their key data."""
+  import hashlib  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+            else x for x in jax.tree.leaves(state)]
+  h = hashlib.sha256()
+  for x in jax.jit(lambda xs: xs, out_shardings=replicated)(leaves):
+    h.update(np.asarray(x.addressable_shards[0].data).tobytes())
+  return h.hexdigest()
+
+
 def init_from_env() -> tuple[int, int, int]:
   """In a process started by ``launch``: configures JAX for CPU (gloo, the
   given devices per host) and joins the job. Returns (host, hosts,

@@ -300,22 +300,32 @@ class InPlace:
     without in-place recovery); a later one is re-keyed against every order
     the job used before, which the coordination service keeps for
     processes that just joined."""
-    used: set[tuple[int, ...]] = set()
-    seen: set[tuple[int, int]] = set()
-    for _, value in self._client.key_value_dir_get(_ORDERS):
-      doc = json.loads(value)
-      members = tuple(tuple(m) for m in doc["members"])
-      if members != key:
-        used |= _group.cliques(doc["order"])
-        seen.update(members)
-    if not used:
-      order = _group.devices() if self._key is None else list(self.devices)
-    else:
-      order = _group.rekeyed(incarnations, used, {i for i, inc in key if (i, inc) not in seen})
+    # A group (ordered device list) may be used again only with the same
+    # process incarnations behind its devices: gloo keys communicators and
+    # their rendezvous by the device list alone, so a group last used with a
+    # dead incarnation (or half set up when a process died) fails forever.
+    current = dict(key)
+    docs = [json.loads(value) for _, value in self._client.key_value_dir_get(_ORDERS)]
+    mine = [d for d in docs if tuple(tuple(m) for m in d["members"]) == key]
+    if mine:  # another member of this membership chose already
+      by_id = {d.id: d for d in self._all}
+      return self._publish(key, [by_id[i] for i in mine[0]["order"]])
+    stale: set[tuple[int, ...]] = set()
+    for doc in docs:
+      then = {i: inc for i, inc in doc["members"]}
+      stale |= {c for c in _group.cliques(doc["order"])
+                if any(then.get(i) != current.get(i) for i in c)}
+    order = _group.devices()
+    if docs:  # not the job's first membership: a draw every process makes alike
+      order = _group.rekeyed(incarnations, stale, set(current))
       if order is None:
-        raise RestartRequired("no device order is left whose every group with a "
-                              "replacement's devices is new; a full restart clears the "
-                              "old communicators")
+        raise RestartRequired("no device order is left whose every group is new or "
+                              "was last used by the same processes; a full restart "
+                              "clears the old communicators")
+    return self._publish(key, order)
+
+  def _publish(self, key: tuple[tuple[int, int], ...],
+               order: list[jax.Device]) -> list[jax.Device]:
     entry = json.dumps({"members": key, "order": [d.id for d in order]})
     with contextlib.suppress(Exception):  # ALREADY_EXISTS: another process wrote it
       self._client.key_value_set(f"{_ORDERS}/{hashlib.sha256(repr(key).encode()).hexdigest()}",

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import inspect
 import json
 import os
@@ -111,7 +110,6 @@ class _Engine:
     self.report: dict[str, Any] = {"losses": {}, "times": {}, "restores": [], "digests": {},
                                    "pid": os.getpid(), "started": time.time()}
     self._report_dir = os.environ.get("SNAPSTORE_REPORT_DIR")
-    self._mesh: Any = None
 
   @property
   def enabled(self) -> bool:
@@ -222,20 +220,14 @@ class _Engine:
     if not self._report_dir:
       return
     import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
     from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
-    from snapstore.launch import incarnation_from_env, report_digest  # noqa: PLC0415
-    leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-              else x for x in jax.tree.leaves(state)]
-    mesh = next(x.sharding.mesh for x in leaves
+    from snapstore.launch import global_digest, incarnation_from_env, report_digest  # noqa: PLC0415
+    mesh = next(x.sharding.mesh for x in jax.tree.leaves(state)
                 if isinstance(getattr(x, "sharding", None), NamedSharding))
-    whole = jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, PartitionSpec()))(leaves)
-    h = hashlib.sha256()
-    for x in whole:
-      h.update(np.asarray(x.addressable_shards[0].data).tobytes())
-    self.report["digests"][int(step)] = h.hexdigest()
+    value = global_digest(state, NamedSharding(mesh, PartitionSpec()))
+    self.report["digests"][int(step)] = value
     if jax.process_index() == 0:
-      report_digest(int(step), h.hexdigest(), incarnation_from_env() or 0)
+      report_digest(int(step), value, incarnation_from_env() or 0)
 
   def _write(self) -> None:
     if not self._report_dir:

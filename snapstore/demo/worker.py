@@ -14,12 +14,9 @@ uninterrupted run).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from pathlib import Path
-
-import jax
 
 
 def main() -> int:
@@ -44,11 +41,11 @@ def main() -> int:
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
   a = p.parse_args()
-  from snapstore.launch import in_place_from_env, init_from_env, report_digest  # noqa: PLC0415
+  from snapstore.launch import (  # noqa: PLC0415
+      global_digest, in_place_from_env, init_from_env, report_digest)
   host, _, inc = init_from_env()
   import os  # noqa: PLC0415
 
-  import numpy as np  # noqa: PLC0415
 
   import snapstore  # noqa: PLC0415
   from snapstore._manifest import write_atomic  # noqa: PLC0415
@@ -60,15 +57,10 @@ def main() -> int:
   def digest(trainer: Trainer, state, step: int) -> str:
     """The global state's sha256 (every host gets every byte: one jitted
     all-gather on the trainer's mesh)."""
-    h = hashlib.sha256()
-    leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-              else x for x in jax.tree.leaves(state)]
-    whole = jax.jit(lambda xs: xs, out_shardings=trainer.replicated)(leaves)
-    for x in whole:
-      h.update(np.asarray(x.addressable_shards[0].data).tobytes())
+    value = global_digest(state, trainer.replicated)
     if host == 0:
-      report_digest(step, h.hexdigest(), inc)
-    return h.hexdigest()
+      report_digest(step, value, inc)
+    return value
 
   opts = snapstore.SnapshotOptions(
       interval=1 if a.snapshots else 10**9, keep=a.keep, store_dir=a.store, run_id=a.run_id,
