@@ -11,6 +11,7 @@ the manager, which plans again (an older step, then the persistent tier).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from typing import Any, Protocol
 
 import jax
@@ -23,6 +24,8 @@ from ._layout import LeafKind, LeafSpec, target_sharding, wants_numpy
 from ._planner import Copy, CopyKey, StepPlan
 
 Stored = np.ndarray | jax.Array
+
+PREFETCH_TASK_BYTES = 4 << 20
 
 
 class BadCopy(Exception):
@@ -39,13 +42,21 @@ class BadCopy(Exception):
 class PieceSource(Protocol):
   """What the assembler needs of a backend."""
 
+  #: where host copies may be fetched in parallel ahead of use (None: each
+  #: piece is fetched when a leaf needs it, e.g. on its device).
+  prefetch_pool: futures.Executor | None
+
   def holds(self, store: int) -> bool:
     """True if this process can read the copies of store ``store``."""
 
-  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None) -> Stored:
+  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None, *,
+            out: np.ndarray | None = None) -> Stored:
     """The verified bytes of ``copy``, typed and shaped like its piece: a
     numpy array, or a jax.Array (on ``device`` where given). Raises
-    :class:`BadCopy` if it fails its checksum or cannot be read."""
+    :class:`BadCopy` if it fails its checksum or cannot be read. ``out``
+    (from :meth:`Assembler.prefetch`, which runs fetches on a pool): flat
+    uint8 memory of the piece's size, private to the caller, for a host
+    copy; the copy then runs on the calling thread."""
 
   def check(self, plan: StepPlan, copy: Copy) -> None:
     """Raises :class:`BadCopy` unless ``copy`` matches its checksum (read in
@@ -73,32 +84,70 @@ class Assembler:
     self.bytes_read = 0
     self.bad: dict[CopyKey, BadCopy] = {}  # copies found bad (the manager notes them)
 
+  def _first_good(self, key: tuple[int, Index], device: jax.Device | None,
+                  out: np.ndarray | None = None
+                  ) -> tuple[Stored | None, list[BadCopy], int]:
+    """(the first copy of ``key`` held here that verifies, or None; the bad
+    copies met on the way; its bytes). Changes nothing: threads may run it."""
+    found: list[BadCopy] = []
+    for copy in self.plan.copies[key]:
+      if not self.source.holds(copy.store) or copy.key(self.plan.step) in self.bad:
+        continue
+      try:
+        got = self.source.fetch(self.plan, copy, device, out=out)
+        return got, found, copy.record.nbytes
+      except BadCopy as e:
+        found.append(e)
+    return None, found, 0
+
+  def _keep(self, key: tuple[int, Index], got: Stored | None, found: list[BadCopy],
+            nbytes: int) -> None:
+    for e in found:
+      self.bad[e.key] = e
+    if got is not None:
+      self._verified[key] = got
+      self.bytes_read += nbytes
+
+  def prefetch(self, pool: futures.Executor) -> None:
+    """Fetches and verifies every piece of the plan held here, in parallel on
+    ``pool`` (a single process restores every piece: host copies then cost
+    one pass over memory on every core, not on the caller's thread alone).
+    A piece with no good copy is left to :meth:`piece`, which raises."""
+    keys = [k for k, copies in self.plan.copies.items()
+            if k not in self._verified and any(self.source.holds(c.store) for c in copies)]
+    keys.sort(key=lambda k: -self.plan.copies[k][0].record.nbytes)  # big ones first
+    # Buffers come from this thread (malloc's main arena then reuses the
+    # pages of arrays freed before, already mapped: a page fault costs as
+    # much as the copy); the copies run on the pool, small pieces together
+    # (a task's Python costs more than copying 64 KiB).
+    tasks: list[list[tuple[tuple[int, Index], np.ndarray]]] = [[]]
+    size = 0
+    for k in keys:
+      if size >= PREFETCH_TASK_BYTES:
+        tasks.append([])
+        size = 0
+      n = self.plan.copies[k][0].record.nbytes
+      tasks[-1].append((k, aligned_empty(n)))
+      size += n
+    fetch = lambda task: [self._first_good(k, None, out) for k, out in task]  # noqa: E731
+    for task, got in zip(tasks, pool.map(fetch, tasks)):
+      for (key, _), one in zip(task, got):
+        self._keep(key, *one)
+
   def piece(self, leaf: int, index: Index, device: jax.Device | None = None) -> Stored:
     """The verified piece (leaf, index): on ``device`` for a jax.Array copy,
     else as stored. Tries the copies this process holds in plan order."""
     key = (leaf, index)
     got = self._verified.get(key)
     if got is None:
-      copies = [c for c in self.plan.copies[key] if self.source.holds(c.store)]
-      last: BadCopy | None = None
-      for copy in copies:
-        if copy.key(self.plan.step) in self.bad:
-          continue
-        try:
-          got = self.source.fetch(self.plan, copy, device)
-        except BadCopy as e:
-          self.bad[e.key] = last = e
-          continue
-        self.bytes_read += copy.record.nbytes
-        break
-      else:
-        if last is None:  # every copy here was found bad before
-          bads = [self.bad[k] for c in copies if (k := c.key(self.plan.step)) in self.bad]
-          if not bads:
-            raise ValueError(f"no copy of piece {index} of leaf {leaf} is held here")
-          last = bads[-1]
-        raise last
-      self._verified[key] = got
+      got, found, nbytes = self._first_good(key, device)
+      self._keep(key, got, found, nbytes)
+      if got is None:
+        copies = [c for c in self.plan.copies[key] if self.source.holds(c.store)]
+        bads = [self.bad[k] for c in copies if (k := c.key(self.plan.step)) in self.bad]
+        if not bads:
+          raise ValueError(f"no copy of piece {index} of leaf {leaf} is held here")
+        raise bads[-1]
     if device is None or not isinstance(got, jax.Array) or device in got.devices():
       return got
     return jax.device_put(got, device)

@@ -236,8 +236,9 @@ def validate(m: Manifest) -> None:
 
 
 def write_atomic(path: os.PathLike[str] | str, data: bytes, *,
-                 before_rename: Callable[[], None] | None = None) -> None:
-  """Writes ``data`` to ``path`` via a 0600 temp file and a rename."""
+                 before_rename: Callable[[], None] | None = None) -> os.stat_result:
+  """Writes ``data`` to ``path`` via a 0600 temp file and a rename; returns
+  the file's stat as written (a rename keeps inode, size and mtime)."""
   tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
   try:
     os.unlink(tmp)  # left by an earlier process of this pid
@@ -248,8 +249,10 @@ def write_atomic(path: os.PathLike[str] | str, data: bytes, *,
     view = memoryview(data)
     while view:
       view = view[os.write(fd, view):]
+    st = os.fstat(fd)
   finally:
     os.close(fd)
   if before_rename is not None:
     before_rename()
   os.replace(tmp, path)
+  return st

@@ -51,6 +51,8 @@ class Solo:
                targets: Sequence[Any]) -> Assembled:
     _faults.point("restore", assembler.plan.step)
     try:
+      if assembler.source.prefetch_pool is not None:
+        assembler.prefetch(assembler.source.prefetch_pool)
       leaves = assembler.tree(target_specs, targets)
     except BadCopy as e:
       assembler.bad.setdefault(e.key, e)

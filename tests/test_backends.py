@@ -121,6 +121,19 @@ def test_round_trip_is_bitwise_for_awkward_leaves(kind, store_dir):
   assert newest.state["tp"].sharding == target["tp"].sharding
 
 
+@pytest.mark.parametrize("kind", [k for k in KINDS if k.store is StoreKind.HOST_FILES],
+                         ids=lambda k: k.name)
+def test_a_committed_manifest_is_what_its_file_decodes_to(kind, store_dir):
+  # A store keeps the manifest it commits instead of decoding its file again.
+  with kind.manager(store_dir) as mgr:
+    save_steps(mgr, [1, 2])
+    for store in mgr.backend.stores.values():
+      kept = store.manifests()
+      store._decoded.clear()
+      assert [m.step for m in kept] == [1, 2]
+      assert store.manifests() == kept
+
+
 def test_keep_holds_the_newest_and_a_too_small_budget_stores_nothing(kind, store_dir):
   with kind.manager(store_dir, keep=2) as mgr:
     save_steps(mgr, range(1, 6))

@@ -10,6 +10,7 @@ domain, all written by this process.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -48,6 +49,7 @@ class HostFilesBackend(DomainStores):
                pool: futures.Executor):
     self.options = options
     self._pool = pool
+    self.prefetch_pool = pool  # host copies: fetched in parallel (Assembler.prefetch)
     self._host = host
     self._domain_of = ({d: k for k, devs in slices.items() for d in devs}
                        if slices is not None else None)
@@ -60,6 +62,7 @@ class HostFilesBackend(DomainStores):
                      if num_hosts > 1 else None)
     self._views_plan: StepPlan | None = None  # slot views of the plan being read
     self._views: dict[tuple[int, int], np.ndarray] = {}
+    self._views_lock = threading.Lock()  # fetches run on the pool
 
 
   def describe(self) -> str:
@@ -105,16 +108,17 @@ class HostFilesBackend(DomainStores):
   def _read(self, plan: StepPlan, copy: Copy) -> np.ndarray:
     """The bytes of ``copy``: its slot is opened and its length checked once
     per plan (not once per piece: a state has thousands)."""
-    if self._views_plan is not plan:
-      self._views_plan, self._views = plan, {}
-    buf = self._views.get((copy.store, copy.slot))
-    if buf is None or buf.nbytes < copy.slot_bytes:
-      try:
-        buf = self.stores[copy.store].read_buffer(copy.slot, copy.slot_bytes)
-      except (OSError, ValueError) as e:  # CorruptSnapshotError is a ValueError
-        raise BadCopy(copy.key(plan.step), plan.specs[copy.record.leaf].path,
-                      why=f"unreadable ({e})") from e
-      self._views[(copy.store, copy.slot)] = buf
+    with self._views_lock:
+      if self._views_plan is not plan:
+        self._views_plan, self._views = plan, {}
+      buf = self._views.get((copy.store, copy.slot))
+      if buf is None or buf.nbytes < copy.slot_bytes:
+        try:
+          buf = self.stores[copy.store].read_buffer(copy.slot, copy.slot_bytes)
+        except (OSError, ValueError) as e:  # CorruptSnapshotError is a ValueError
+          raise BadCopy(copy.key(plan.step), plan.specs[copy.record.leaf].path,
+                        why=f"unreadable ({e})") from e
+        self._views[(copy.store, copy.slot)] = buf
     return buf[copy.record.offset: copy.record.offset + copy.record.nbytes]
 
   def check(self, plan: StepPlan, copy: Copy) -> None:
@@ -125,7 +129,8 @@ class HostFilesBackend(DomainStores):
         key=piece_key(path, rec.index), pool=self._pool):
       raise BadCopy(copy.key(plan.step), path)
 
-  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None) -> Any:
+  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None, *,
+            out: np.ndarray | None = None) -> Any:
     spec = plan.specs[copy.record.leaf]
     rec = copy.record
     raw = self._read(plan, copy)
@@ -133,7 +138,8 @@ class HostFilesBackend(DomainStores):
     # later save (or another process) may rewrite or shrink, and device_put
     # may alias a page-aligned host buffer instead of copying it.
     got = (copy_verified(raw, rec.checksum, chunk_bytes=plan.chunk_bytes,
-                         key=piece_key(spec.path, rec.index), pool=self._pool)
+                         key=piece_key(spec.path, rec.index),
+                         pool=self._pool if out is None else None, out=out)
            if rec.kind is ChecksumKind.CRC32C else None)
     del raw
     if got is None:

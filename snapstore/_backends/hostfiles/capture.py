@@ -22,12 +22,11 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
-import crc32c
 import jax
 import numpy as np
 
 from ... import _faults
-from ..._checksum import chunk_seed, piece_key
+from ..._checksum import chunk_seed, copy_crc, piece_key
 from ..._index import align, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches
 from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
@@ -203,12 +202,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   Chunk = tuple[np.ndarray, int, int, int, int]  # (source, at, start, end, seed)
 
   def copy_chunks(batch: list[Chunk]) -> list[int]:
-    out = []
-    for src, at, a, b, seed in batch:
-      dst_chunk = dst[at + a: at + b]
-      np.copyto(dst_chunk, src[a:b])
-      out.append(crc32c.crc32c(dst_chunk, seed))
-    return out
+    return [copy_crc(dst[at + a: at + b], src[a:b], seed) for src, at, a, b, seed in batch]
 
   chunks: list[Chunk] = []
   per_piece: list[int] = []  # chunks of each piece, in order

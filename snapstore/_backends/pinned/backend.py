@@ -63,6 +63,7 @@ class PinnedHostBackend(DomainStores):
                slices: Mapping[int, Sequence[jax.Device]], pool: futures.Executor):
     self.options = options
     self._pool = pool
+    self.prefetch_pool = None  # pieces are placed leaf by leaf, on their devices
     self._slices = {k: list(v) for k, v in slices.items()}
     self.checksum = checksum_for([d for v in slices.values() for d in v],
                                  options.pinned_checksum)
@@ -111,7 +112,8 @@ class PinnedHostBackend(DomainStores):
   def _stored(self, copy: Copy) -> Stored:
     return self.stores[copy.store].array(copy.slot, copy.record.offset)
 
-  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None) -> Stored:
+  def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None, *,
+            out: np.ndarray | None = None) -> Stored:
     spec = plan.specs[copy.record.leaf]
     rec = copy.record
     holder = f"slice {copy.store}"
