@@ -24,9 +24,9 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import (ChecksumKind, as_checksum, crc_chunks, crc_matches,
+from ..._checksum import (ChecksumKind, as_checksum, copy_verified, crc_chunks, crc_matches,
                           device_checksum, piece_key, shard_checksums)
-from ..._index import Index
+from ..._index import Index, shape_of
 from ..._layout import LeafKind, LeafSpec
 from ..._manifest import Manifest, PieceRecord
 from ..._planner import Copy, StepPlan
@@ -63,10 +63,14 @@ class PinnedHostBackend(DomainStores):
                slices: Mapping[int, Sequence[jax.Device]], pool: futures.Executor):
     self.options = options
     self._pool = pool
-    self.prefetch_pool = None  # pieces are placed leaf by leaf, on their devices
     self._slices = {k: list(v) for k, v in slices.items()}
     self.checksum = checksum_for([d for v in slices.values() for d in v],
                                  options.pinned_checksum)
+    # Where this process can read the pinned bytes (CRC32C: on CPU), a piece
+    # is verified while it is copied out (one pass, on the pool, ahead of
+    # use) and the copy put back; else each leaf is put back from its
+    # devices' own copies at once and verified there (place_leaf).
+    self.prefetch_pool = pool if self.checksum is ChecksumKind.CRC32C else None
     super().__init__({i: PinnedHostStore(i, keep=options.keep,
                                          budget_bytes=options.budget_bytes)
                       for i in sorted(slices)}, run_id=options.run_id)
@@ -123,10 +127,12 @@ class PinnedHostBackend(DomainStores):
       if isinstance(stored, np.ndarray):
         ok = crc_matches(stored, rec.checksum, chunk_bytes=plan.chunk_bytes, key=key)
         got = stored
-      elif rec.kind is ChecksumKind.CRC32C:  # crc32c of the pinned buffer, in place
-        ok = crc_matches(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes,
-                         key=key)
-        got = jax.device_put(stored, SingleDeviceSharding(device or device_of(stored)))
+      elif rec.kind is ChecksumKind.CRC32C:  # a private copy, verified as it is made
+        got = copy_verified(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes,
+                            key=key, pool=self._pool if out is None else None, out=out)
+        ok = got is not None
+        if ok:
+          got = got.view(spec.np_dtype).reshape(shape_of(rec.index))
       else:
         got = jax.device_put(stored, SingleDeviceSharding(device or device_of(stored)))
         ok = as_checksum(device_checksum(got)) == tuple(rec.checksum)
@@ -150,8 +156,8 @@ class PinnedHostBackend(DomainStores):
     over and finds which)."""
     plan = assembler.plan
     spec = plan.specs[leaf]
-    if spec.kind is LeafKind.NUMPY:
-      return None
+    if spec.kind is LeafKind.NUMPY or self.prefetch_pool is not None:
+      return None  # host copies: the general path puts the verified copies
     picks: list[tuple[Copy, jax.Array]] = []
     for device, index in wanted:
       found = None
