@@ -53,6 +53,7 @@ def _chunk_starts(n: int, chunk_bytes: int) -> list[int]:
   return list(range(0, max(n, 1), chunk_bytes))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same pieces every snapshot
 def piece_key(path: str, index: Sequence[Sequence[int]]) -> bytes:
   """What a piece's crc32c is seeded with: its leaf path and global index, so
   the checksum binds the bytes to where they go (a manifest whose indices
@@ -82,6 +83,12 @@ def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int) -> int:
 def chunk_seed(key: bytes, chunk: int) -> int:
   """The initial crc32c value of chunk number ``chunk`` of the piece ``key``."""
   return crc32c.crc32c(key + chunk.to_bytes(8, "little"))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def chunk_seeds(key: bytes, count: int) -> tuple[int, ...]:
+  """:func:`chunk_seed` of chunks 0 .. count - 1 of the piece ``key``."""
+  return tuple(chunk_seed(key, c) for c in range(count))
 
 
 def crc_chunks(buf: np.ndarray, *, chunk_bytes: int, key: bytes,
@@ -120,10 +127,11 @@ def copy_verified(src: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key
     return None
   if out is None:
     out = aligned_empty(n)
+  seeds = chunk_seeds(key, len(starts))
 
   def one(a: int) -> int:
     b = min(a + chunk_bytes, n)
-    return copy_crc(out[a:b], raw[a:b], chunk_seed(key, a // chunk_bytes))
+    return copy_crc(out[a:b], raw[a:b], seeds[a // chunk_bytes])
   got = tuple(pool.map(one, starts) if pool is not None and len(starts) > 1
               else map(one, starts))
   return out if got == tuple(crcs) else None

@@ -65,7 +65,7 @@ class LeafSpec:
     return f"{self.kind.value} {self.dtype}{list(self.shape)}{extra}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Piece:
   """One stored shard: ``leaf`` (index into the specs) and its global range."""
 

@@ -31,7 +31,7 @@ VERSION = 3  # 3: an envelope with the body's crc32c; per-piece checksum kinds
 MAX_MANIFEST_BYTES = 64 << 20
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class PieceRecord:
   """One stored piece.
 

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 CopyKey = tuple[int, int, int, Index]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Copy:
   """One stored copy of one piece: which store (a process's host store, or
   one failure domain's store on a single controller), which slot, where."""

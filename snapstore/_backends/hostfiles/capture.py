@@ -18,7 +18,7 @@ sources so the next step may donate again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
 
@@ -26,13 +26,15 @@ import jax
 import numpy as np
 
 from ... import _faults
-from ..._checksum import chunk_seed, copy_crc, piece_key
+from ..._checksum import chunk_seeds, copy_crc, piece_key
 from ..._index import align, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches
 from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
                            ring_permutable, ring_permute)
 
-Source = Callable[[], np.ndarray]
+# A piece's bytes: a host view (pinned against donation) or a jax.Array
+# read by ``np.asarray`` in the drain (a replica received, a host copy landing).
+Source = np.ndarray | jax.Array
 
 
 @dataclasses.dataclass
@@ -164,7 +166,7 @@ def _add_numpy(cap: Capture, leaf_idx: int, leaf: Any, owner: int) -> None:
   data = np.array(leaf, copy=True)
   cap.pieces.append(Piece(leaf_idx, tuple((0, n) for n in data.shape), data.nbytes))
   cap.owners.append(owner)
-  cap.sources.append(lambda x=data: x)
+  cap.sources.append(data)
 
 
 def _add_replica(cap: Capture, t: Transfer, piece: Piece, data: jax.Array) -> None:
@@ -180,9 +182,9 @@ def _add(cap: Capture, piece: Piece, data: jax.Array, owner: int, pin_view: bool
   cap.owners.append(owner)
   if pin_view:
     view = np.asarray(data)  # blocks until the step computed it.
-    cap.sources.append(lambda v=view: v)
+    cap.sources.append(view)
   else:
-    cap.sources.append(lambda d=data: np.asarray(d))
+    cap.sources.append(data)
 
 
 def layout_offsets(pieces: Sequence[Piece]) -> list[int]:
@@ -207,14 +209,14 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   chunks: list[Chunk] = []
   per_piece: list[int] = []  # chunks of each piece, in order
   for source, piece, at in zip(cap.sources, cap.pieces, offsets):
-    src = _bytes_of(source())
+    src = _bytes_of(np.asarray(source))
     if src.nbytes != piece.nbytes:
       raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, "
                        f"expected {piece.nbytes}")
     key = piece_key(cap.specs[piece.leaf].path, piece.index)
     starts = range(0, max(src.nbytes, 1), chunk_bytes)
-    chunks.extend((src, at, a, min(a + chunk_bytes, src.nbytes), chunk_seed(key, a // chunk_bytes))
-                  for a in starts)
+    chunks.extend((src, at, a, min(a + chunk_bytes, src.nbytes), seed)
+                  for a, seed in zip(starts, chunk_seeds(key, len(starts))))
     per_piece.append(len(starts))
   # Small pieces travel together: one task per ~chunk_bytes, not one per piece.
   batches: list[list[Chunk]] = [[]]
@@ -267,7 +269,7 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
         caps[d].owners.append(owner)
         if on_cpu:
           view = np.asarray(data)  # pins the buffer (see the module docstring)
-          caps[d].sources.append(lambda v=view: v)
+          caps[d].sources.append(view)
         else:
-          caps[d].sources.append(lambda x=data: np.asarray(x))
+          caps[d].sources.append(data)
   return caps
