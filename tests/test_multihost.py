@@ -239,10 +239,12 @@ def check_in_place(job, reference, *, replaced, restores):
 
 
 def test_in_place_heal_survivors_keep_running(reference, tmp_path, cache_dir):
+  # Three steps per live() block: the kill lands inside one, whose finished
+  # steps' snapshots still bound the rewind to one step.
   kill_step = random.Random(11).randint(4, STEPS - 1)
   job = Job(tmp_path, cache_dir, "heal").run(
       [Kill(host=1, step=kill_step, lose_store=True)],
-      args=["--hosts-per-domain", "2"], in_place=True)
+      args=["--hosts-per-domain", "2", "--live-every", "3"], in_place=True)
   restores = check_in_place(job, reference, replaced=[1], restores=1)
   assert restores[0]["bytes_read"]["exchanged"] > 0  # host 1's shards came from peers
 

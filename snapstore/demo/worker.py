@@ -40,6 +40,8 @@ def main() -> int:
                  help="pad each train step to this many seconds (a slower model)")
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
+  p.add_argument("--live-every", type=int, default=1,
+                 help="in place: steps per live() block (one membership barrier each)")
   a = p.parse_args()
   from snapstore.launch import (  # noqa: PLC0415
       global_digest, in_place_from_env, init_from_env, report_digest)
@@ -139,10 +141,15 @@ def main() -> int:
               mark("compiled")
               write()
               continue  # the exit barrier: every first step starts compiled, together
-            if s <= a.steps:  # the step and its digest count only if all end them
+            # The steps of a block count only if every process ends them all
+            # (a failure inside discards the block; the snapshots of its
+            # finished steps stay, so the rewind is still one step).
+            for _ in range(a.live_every):
+              if s > a.steps:
+                break
               state, loss = train(trainer, state, s)
               record(trainer, state, s, loss)
-          s += 1
+              s += 1
         except job.FAILURES as e:
           mark(f"failed: {type(e).__name__}")
           try:
