@@ -7,7 +7,9 @@ devices (a 2x4 mesh, float32 leaves of ~16 MB sharded over all devices):
 * ``save_gbps``: bytes / (time from ``save`` to the snapshot committed), and
   ``save_return_s``: how long ``save`` itself blocked;
 * ``restore_gbps``: bytes / ``restore`` time (checksums verified, arrays
-  placed on their devices);
+  placed on their devices; the median of ``--repeats``), and
+  ``restore_first_s``: the first restore in the process (its memory fresh:
+  what a recovery pays);
 * per-step overhead of ``save`` at interval 1 against the same loop without
   snapshots, with a step that takes ~10x the copy (a matmul chain);
 * ``many_leaves``: the same, with the same bytes split over
@@ -49,6 +51,9 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
         totals.append(time.perf_counter() - t)
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                              sharding=x.sharding), state)
+      t = time.perf_counter()  # the first in this process: what a recovery pays
+      jax.block_until_ready(mgr.restore(abstract).state)
+      restore_first_s = time.perf_counter() - t
       restore_s = median_seconds(lambda: jax.block_until_ready(mgr.restore(abstract).state),
                                  repeats)
 
@@ -80,7 +85,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       "save_gbps": nbytes / save_s / 1e9, "save_vs_memcpy": nbytes / save_s / memcpy,
       "save_return_s": sorted(returns)[len(returns) // 2], "save_complete_s": save_s,
       "restore_gbps": nbytes / restore_s / 1e9, "restore_vs_memcpy": nbytes / restore_s / memcpy,
-      "restore_s": restore_s,
+      "restore_s": restore_s, "restore_first_s": restore_first_s,
       "step_s_plain": step_plain, "step_s_snapshot": step_snap,
       "copy_fraction_of_step": save_s / step_plain,
       "step_overhead": step_snap / step_plain - 1.0,
@@ -105,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.many_leaves:
       row = one_size(mb, args.repeats, args.step_factor, args.many_leaves)
       row["vs_few_leaves"] = {k: row[k] / rows[-1][k] for k in
-                              ("save_complete_s", "save_return_s", "restore_s")}
+                              ("save_complete_s", "save_return_s", "restore_s",
+                               "restore_first_s")}
       many.append(row)
   emit("capture", {"sizes": rows, "many_leaves": many}, args.out)
   return 0

@@ -111,23 +111,27 @@ def test_job_shrinks_to_the_surviving_domain(reference, tmp_path, cache_dir):
                              [reference["losses"][str(s)] for s in later], rtol=1e-5)
 
 
-@pytest.mark.parametrize("phase", ["capture", "replica", "manifest"])
-def test_kill_inside_a_snapshot_never_restores_a_partial_one(
-    phase, reference, tmp_path, cache_dir):
-  kill_step = 5
-  job = Job(tmp_path, cache_dir, phase).run(
-      [Kill(host=1, step=kill_step, phase=phase)], args=["--hosts-per-domain", "2"])
-  assert [i.killed for i in job.incs] == [[1], []]
-  if phase == "capture":
-    # Host 1 died before sending the rest of step 5: no complete copy of its
-    # shards exists, so the previous complete step is chosen.
-    check_resumed(job.report, reference, lo=kill_step - 1, hi=kill_step - 1)
-  else:
-    # The replica transfer was dispatched (replica) or the data and temp
-    # manifest were written (manifest): host 3 may have committed a complete,
-    # checksum-valid copy of host 1's step-5 shards before the job was torn
-    # down. Either way no partial step is restored.
-    check_resumed(job.report, reference, lo=kill_step - 1, hi=kill_step)
+def test_kills_inside_a_snapshot_never_restore_a_partial_one(reference, tmp_path, cache_dir):
+  """Host 1 dies inside a snapshot three times, one job: in its capture (step
+  2), its replica transfer (step 4), after its data and temp manifest are
+  written (step 6). Each restart restores a complete step, never a partial
+  one, bitwise equal to the reference."""
+  phases = [("capture", 2), ("replica", 4), ("manifest", 6)]
+  job = Job(tmp_path, cache_dir, "phases").run(
+      [Kill(host=1, step=s, phase=ph, incarnation=i) for i, (ph, s) in enumerate(phases)],
+      args=["--hosts-per-domain", "2"], max_incarnations=4)
+  assert [i.killed for i in job.incs] == [[1], [1], [1], []]
+  for i, (phase, step) in enumerate(phases, start=1):
+    report = json.loads((job.out / f"inc{i}-host0.json").read_text())
+    r = report["restore"]
+    assert r["source"] == "snapshot", (phase, r)
+    # capture: host 1 died before sending the rest of the step: no complete
+    # copy of its shards exists, so the previous step is chosen. replica /
+    # manifest: host 3 may have committed a complete, checksum-valid copy of
+    # host 1's shards before the job was torn down. Never a partial step.
+    assert step - 1 <= r["step"] <= (step - 1 if phase == "capture" else step), (phase, r)
+    assert report["digests"][str(r["step"])] == reference["digests"][str(r["step"])], phase
+  check_resumed(job.report, reference, lo=5, hi=6)
 
 
 def test_kill_during_restore_then_restore_again(reference, tmp_path, cache_dir):
