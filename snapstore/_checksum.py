@@ -86,9 +86,16 @@ def chunk_seed(key: bytes, chunk: int) -> int:
   return crc32c.crc32c(key + chunk.to_bytes(8, "little"))
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def chunk_seeds(key: bytes, count: int) -> tuple[int, ...]:
-  """:func:`chunk_seed` of chunks 0 .. count - 1 of the piece ``key``."""
+  """:func:`chunk_seed` of chunks 0 .. count - 1 of the piece ``key``
+  (remembered for pieces of up to 64 chunks: the same pieces every step)."""
+  if count <= 64:
+    return _chunk_seeds(key, count)
+  return tuple(chunk_seed(key, c) for c in range(count))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _chunk_seeds(key: bytes, count: int) -> tuple[int, ...]:
   return tuple(chunk_seed(key, c) for c in range(count))
 
 

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from . import _backends, _interval, _peers, _planner, errors, launch
 from ._assemble import Assembler
 from ._layout import LeafSpec, check_compatible, flatten, tree_digest
-from ._manifest import check_extra
+from ._manifest import check_extra, copy_extra
 from ._persistent import OrbaxTier
 from .metrics import RestoreResult, SaveMetrics, Source
 from .options import MAX_INT, BusyPolicy, SnapshotOptions
@@ -255,7 +255,7 @@ class SnapshotManager:
         read["exchanged"] = got.bytes_exchanged
       result = self._report(RestoreResult(
           step=plan.step, state=jax.tree_util.tree_unflatten(treedef, got.leaves),
-          extra=plan.extra, source=Source.SNAPSHOT, rewind_steps=newest - plan.step,
+          extra=copy_extra(plan.extra), source=Source.SNAPSHOT, rewind_steps=newest - plan.step,
           newest_step=newest, bytes_read=read, timings=timings, notes=tuple(notes)))
       self._branch_from(result.step, manifests)
       return result

@@ -108,6 +108,13 @@ def check_extra(extra: Any) -> None:
                     "(tuples become lists); pass lists and dicts")
 
 
+def copy_extra(extra: Any) -> Any:
+  """A private copy of ``extra`` (checked by :func:`check_extra`), as a
+  manifest's decode gives it."""
+  return msgpack.unpackb(msgpack.packb(extra, use_bin_type=True), raw=False,
+                         strict_map_key=False)
+
+
 def _same(a: Any, b: Any) -> bool:
   """Equal in type and value, NaN equal to NaN (what a round trip must keep)."""
   if type(a) is not type(b):

@@ -134,6 +134,18 @@ def test_a_committed_manifest_is_what_its_file_decodes_to(kind, store_dir):
       assert store.manifests() == kept
 
 
+def test_the_extra_restored_is_what_was_saved_not_the_callers_object(kind, store_dir):
+  meta = {"data": [1, "it"]}
+  with kind.manager(store_dir) as mgr:
+    mgr.save(1, awkward_state(jax.devices(), 1), extra=meta)
+    mgr.wait_until_finished()
+    meta["data"].append("changed after save")
+    got = mgr.restore(abstract(awkward_state(jax.devices(), 0)))
+    got.extra["data"].append("changed by the caller")
+    again = mgr.restore(abstract(awkward_state(jax.devices(), 0)))
+  assert got.extra is not meta and again.extra == {"data": [1, "it"]}
+
+
 def test_keep_holds_the_newest_and_a_too_small_budget_stores_nothing(kind, store_dir):
   with kind.manager(store_dir, keep=2) as mgr:
     save_steps(mgr, range(1, 6))

@@ -40,8 +40,9 @@ def main() -> int:
                  help="pad each train step to this many seconds (a slower model)")
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
-  p.add_argument("--live-every", type=int, default=1,
-                 help="in place: steps per live() block (one membership barrier each)")
+  p.add_argument("--live-every", type=int, default=1, choices=range(1, 1001),
+                 metavar="K", help="in place: steps per live() block (one membership "
+                                   "barrier each), 1 to 1000")
   a = p.parse_args()
   from snapstore.launch import (  # noqa: PLC0415
       global_digest, in_place_from_env, init_from_env, report_digest)
@@ -128,6 +129,7 @@ def main() -> int:
       trainer, s = None, 0
       start_of_pass = [0]
       while s <= a.steps:
+        done = 0  # steps of this block: they count once its exit barrier passes
         try:
           with job.live() as devices:
             if job.changed:  # the first pass, or the job healed: everyone restores
@@ -144,12 +146,11 @@ def main() -> int:
             # The steps of a block count only if every process ends them all
             # (a failure inside discards the block; the snapshots of its
             # finished steps stay, so the rewind is still one step).
-            for _ in range(a.live_every):
-              if s > a.steps:
-                break
-              state, loss = train(trainer, state, s)
-              record(trainer, state, s, loss)
-              s += 1
+            while done < a.live_every and s + done <= a.steps:
+              state, loss = train(trainer, state, s + done)
+              record(trainer, state, s + done, loss)
+              done += 1
+          s += done
         except job.FAILURES as e:
           mark(f"failed: {type(e).__name__}")
           try:

@@ -24,6 +24,7 @@ length by our own doing.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import mmap
@@ -38,7 +39,8 @@ import numpy as np
 
 from ... import _faults, _planner, errors
 from ..._index import align
-from ..._manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode, write_atomic
+from ..._manifest import (MAX_MANIFEST_BYTES, Manifest, copy_extra, decode, encode,
+                          write_atomic)
 from ..base import NO_PROGRESS
 
 logger = logging.getLogger(__name__)
@@ -295,8 +297,11 @@ class HostStore:
     # The file version just written decodes to ``manifest`` (tested): the
     # retention scan that follows need not decode it again (a state of 500
     # leaves on 8 devices: ~160 ms). Any later change to the file is a new
-    # version, decoded and validated as usual.
-    self._decoded[path] = ((st.st_mtime_ns, st.st_size, st.st_ino), manifest)
+    # version, decoded and validated as usual. ``extra`` is the caller's
+    # object: the store keeps its own copy, as a decode would give.
+    own = dataclasses.replace(manifest, extra=copy_extra(manifest.extra),
+                              scalars=dict(manifest.scalars))
+    self._decoded[path] = ((st.st_mtime_ns, st.st_size, st.st_ino), own)
 
   def delete(self, manifest: Manifest, reason: str) -> None:
     logger.debug("host %d: deleting snapshot of step %d (%s)", self.host, manifest.step,

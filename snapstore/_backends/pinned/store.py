@@ -10,6 +10,7 @@ array list.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -17,7 +18,7 @@ import jax
 import numpy as np
 
 from ... import _faults, _planner
-from ..._manifest import Manifest
+from ..._manifest import Manifest, copy_extra
 from ..base import NO_PROGRESS
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ class PinnedHostStore:
 
   def commit(self, manifest: Manifest) -> None:
     _faults.point("manifest", manifest.step)
-    self._manifests[(manifest.step, manifest.incarnation)] = manifest
+    # ``extra`` is the caller's object: keep a copy of our own.
+    self._manifests[(manifest.step, manifest.incarnation)] = dataclasses.replace(
+        manifest, extra=copy_extra(manifest.extra), scalars=dict(manifest.scalars))
 
   def manifests(self) -> list[Manifest]:
     return [self._manifests[s] for s in sorted(self._manifests)]
