@@ -115,6 +115,12 @@ def copy_extra(extra: Any) -> Any:
                          strict_map_key=False)
 
 
+def kept_copy(m: Manifest) -> Manifest:
+  """``m`` as a store keeps it: its own ``extra`` and ``scalars``, not the
+  caller's objects (as a decode would give them)."""
+  return dataclasses.replace(m, extra=copy_extra(m.extra), scalars=dict(m.scalars))
+
+
 def _same(a: Any, b: Any) -> bool:
   """Equal in type and value, NaN equal to NaN (what a round trip must keep)."""
   if type(a) is not type(b):

@@ -24,7 +24,6 @@ length by our own doing.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import mmap
@@ -39,7 +38,7 @@ import numpy as np
 
 from ... import _faults, _planner, errors
 from ..._index import align
-from ..._manifest import (MAX_MANIFEST_BYTES, Manifest, copy_extra, decode, encode,
+from ..._manifest import (MAX_MANIFEST_BYTES, Manifest, decode, encode, kept_copy,
                           write_atomic)
 from ..base import NO_PROGRESS
 
@@ -299,9 +298,7 @@ class HostStore:
     # leaves on 8 devices: ~160 ms). Any later change to the file is a new
     # version, decoded and validated as usual. ``extra`` is the caller's
     # object: the store keeps its own copy, as a decode would give.
-    own = dataclasses.replace(manifest, extra=copy_extra(manifest.extra),
-                              scalars=dict(manifest.scalars))
-    self._decoded[path] = ((st.st_mtime_ns, st.st_size, st.st_ino), own)
+    self._decoded[path] = ((st.st_mtime_ns, st.st_size, st.st_ino), kept_copy(manifest))
 
   def delete(self, manifest: Manifest, reason: str) -> None:
     logger.debug("host %d: deleting snapshot of step %d (%s)", self.host, manifest.step,

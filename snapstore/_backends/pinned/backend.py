@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import (ChecksumKind, as_checksum, copy_verified, crc_chunks, crc_matches,
+from ..._checksum import (ChecksumKind, as_checksum, copy_verified, crc_matches,
                           device_checksum, piece_key, shard_checksums)
 from ..._index import Index, shape_of
 from ..._layout import LeafKind, LeafSpec
@@ -171,27 +171,21 @@ class PinnedHostBackend(DomainStores):
       if found is None:
         return None
       picks.append(found)
+    # Only DEVICE_SUM copies get here (host-readable ones are prefetched).
+    if any(c.record.kind is not ChecksumKind.DEVICE_SUM for c, _ in picks):
+      return None
     try:
-      # crc32c in place on the pool while this thread puts the leaf back.
-      in_place = [(c, self._pool.submit(crc_chunks, np.asarray(st),
-                                        chunk_bytes=plan.chunk_bytes,
-                                        key=piece_key(spec.path, c.record.index)))
-                  for c, st in picks if c.record.kind is ChecksumKind.CRC32C]
       pinned = jax.make_array_from_single_device_arrays(
           spec.shape, sharding.with_memory_kind(PINNED), [st for _, st in picks])
       arr = jax.device_put(pinned, sharding)
-      for copy, ck in in_place:
-        if ck.result() != tuple(copy.record.checksum):
+      sums = shard_checksums(arr)
+      if sums is None:
+        return None
+      out, rows = sums
+      got = np.asarray(out)
+      for (copy, _), (device, _) in zip(picks, wanted):
+        if as_checksum(got[rows[device]]) != tuple(copy.record.checksum):
           raise BadCopy(copy.key(plan.step), spec.path, holder=f"slice {copy.store}")
-      if any(c.record.kind is ChecksumKind.DEVICE_SUM for c, _ in picks):
-        sums = shard_checksums(arr)
-        if sums is None:
-          return None
-        out, rows = sums
-        got = np.asarray(out)
-        for (copy, _), (device, _) in zip(picks, wanted):
-          if as_checksum(got[rows[device]]) != tuple(copy.record.checksum):
-            raise BadCopy(copy.key(plan.step), spec.path, holder=f"slice {copy.store}")
     except BadCopy as e:
       assembler.bad[e.key] = e
       return None

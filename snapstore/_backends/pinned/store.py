@@ -10,7 +10,6 @@ array list.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 
 from ... import _faults, _planner
-from ..._manifest import Manifest, copy_extra
+from ..._manifest import Manifest, kept_copy
 from ..base import NO_PROGRESS
 
 logger = logging.getLogger(__name__)
@@ -74,8 +73,7 @@ class PinnedHostStore:
   def commit(self, manifest: Manifest) -> None:
     _faults.point("manifest", manifest.step)
     # ``extra`` is the caller's object: keep a copy of our own.
-    self._manifests[(manifest.step, manifest.incarnation)] = dataclasses.replace(
-        manifest, extra=copy_extra(manifest.extra), scalars=dict(manifest.scalars))
+    self._manifests[(manifest.step, manifest.incarnation)] = kept_copy(manifest)
 
   def manifests(self) -> list[Manifest]:
     return [self._manifests[s] for s in sorted(self._manifests)]
