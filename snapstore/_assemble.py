@@ -159,12 +159,32 @@ class Assembler:
     """Verifies every copy of piece (leaf, index) this process holds, in
     place, without keeping it; the bad ones go to ``self.bad``."""
     for copy in self.plan.copies[(leaf, index)]:
-      key = copy.key(self.plan.step)
-      if self.source.holds(copy.store) and key not in self.bad:
-        try:
-          self.source.check(self.plan, copy)
-        except BadCopy as e:
-          self.bad[e.key] = e
+      self.check_copy(copy)
+
+  def check_copy(self, copy: Copy) -> None:
+    """Verifies one copy in place if this process holds it (a bad one goes
+    to ``self.bad``)."""
+    key = copy.key(self.plan.step)
+    if self.source.holds(copy.store) and key not in self.bad:
+      try:
+        self.source.check(self.plan, copy)
+      except BadCopy as e:
+        self.bad[e.key] = e
+
+  def block(self, copy: Copy) -> np.ndarray:
+    """A parity block's verified bytes (flat uint8); raises :class:`BadCopy`."""
+    try:
+      got = self.source.fetch(self.plan, copy, None)
+    except BadCopy as e:
+      self.bad[e.key] = e
+      raise
+    self.bytes_read += copy.record.nbytes
+    return np.asarray(got).reshape(-1).view(np.uint8)
+
+  def add_rebuilt(self, leaf: int, index: Index, data: np.ndarray) -> None:
+    """A piece a parity rebuild produced (``data``: its flat bytes, private)."""
+    spec = self.plan.specs[leaf]
+    self._verified.setdefault((leaf, index), data.view(spec.np_dtype).reshape(shape_of(index)))
 
   def region(self, leaf: int, index: Index, device: jax.Device | None) -> tuple[Stored, bool]:
     """The global region ``index`` of ``leaf``, cut from the pieces that

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from . import _group
 from ._index import Index, covered, normalize, volume
 from ._manifest import Manifest, decode, encode
-from ._planner import Copy, StepPlan
+from ._planner import REBUILT, Copy, StepPlan
 
 
 def allgather_bytes(blob: bytes) -> list[bytes]:
@@ -51,21 +51,31 @@ def gather_ints(value: Sequence[int]) -> np.ndarray:
 
 
 def chosen_source(copies: Sequence[Copy]) -> Copy:
-  """The copy every host agrees to use: the owner's own, else the lowest host."""
-  return sorted(copies, key=lambda c: (c.store != c.record.owner, c.store))[0]
+  """The copy every host agrees to use: the owner's own, else the lowest
+  host's, else a parity rebuild's (which every host holds once rebuilt)."""
+  return sorted(copies, key=lambda c: (c.store == REBUILT, c.store != c.record.owner,
+                                       c.store))[0]
+
+
+def contributes(copies: Sequence[Copy], host: int) -> bool:
+  """True if ``host`` puts this piece into an exchange (host 0 for a rebuilt one)."""
+  store = chosen_source(copies).store
+  return store == host or (store == REBUILT and host == 0)
 
 
 def locally_coverable(plan: StepPlan, leaf: int, sharding: jax.sharding.Sharding,
                       shape: tuple[int, ...]) -> bool:
-  """True if every device's target shard can be cut from its own host's copies."""
+  """True if every device's target shard can be cut from its own host's
+  copies (a rebuilt piece is on every host)."""
   held: dict[int, set[Index]] = {}
+  everywhere: set[Index] = set()
   for (lf, idx), copies in plan.copies.items():
     if lf == leaf:
       for c in copies:
-        held.setdefault(c.store, set()).add(idx)
+        (everywhere if c.store == REBUILT else held.setdefault(c.store, set())).add(idx)
   for device, idx in sharding.devices_indices_map(shape).items():
     target = normalize(idx, shape)
-    if covered(held.get(device.process_index, set()), target) != volume(target):
+    if covered(held.get(device.process_index, set()) | everywhere, target) != volume(target):
       return False
   return True
 
@@ -77,9 +87,15 @@ _AXIS = "snapstore_all"
 
 
 @functools.lru_cache(maxsize=8)
-def _sum_fn(mesh: Mesh) -> Any:
-  return jax.jit(lambda g: jnp.sum(g, axis=0, dtype=jnp.uint8),
+def _sum_fn(mesh: Mesh, dtype: Any) -> Any:
+  return jax.jit(lambda g: jnp.sum(g, axis=0, dtype=dtype),
                  out_shardings=NamedSharding(mesh, P()))
+
+
+def sum_words(contribution: np.ndarray) -> np.ndarray:
+  """Like :func:`sum_bytes` for uint32 words summed modulo 2**32 (a parity
+  rebuild: every process adds what it holds, see :mod:`._parity`)."""
+  return _sum(contribution.astype(np.uint32, copy=False))
 
 
 def sum_bytes(contribution: np.ndarray) -> np.ndarray:
@@ -92,16 +108,20 @@ def sum_bytes(contribution: np.ndarray) -> np.ndarray:
   by that order: see :mod:`._group`); a process's first local device carries
   its contribution, the others zeros.
   """
+  return _sum(contribution.astype(np.uint8, copy=False))
+
+
+def _sum(contribution: np.ndarray) -> np.ndarray:
   mesh = Mesh(np.array(_group.devices()), (_AXIS,))
   size = max(contribution.size, 1)
-  mine = np.zeros((1, size), np.uint8)
+  mine = np.zeros((1, size), contribution.dtype)
   mine[0, :contribution.size] = contribution
   zeros = np.zeros_like(mine)
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   parts = [jax.device_put(mine if i == 0 else zeros, d) for i, d in enumerate(local)]
   g = jax.make_array_from_single_device_arrays(
       (mesh.size, size), NamedSharding(mesh, P(_AXIS)), parts)
-  total = _sum_fn(mesh)(g)
+  total = _sum_fn(mesh, contribution.dtype.type)(g)
   return np.asarray(total.addressable_shards[0].data)[:contribution.size]
 
 

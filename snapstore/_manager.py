@@ -136,8 +136,8 @@ class SnapshotManager:
         tree_digest=tree_digest(specs), chunk_bytes=self.options.chunk_bytes,
         leaves=tuple(specs), extra=extra)
     travel = self.metrics.snapshots_started % self.options.replica_interval == 0
-    pending = self.backend.capture(header, specs, leaves,
-                                   replicas=self.options.replicas if travel else 0)
+    copies = 1 if self.options.redundancy == "parity" else self.options.replicas
+    pending = self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
     self._inflight = self._drainer.submit(self._drain, pending)
     self.metrics.snapshots_started += 1
     self.metrics.capture_seconds = time.perf_counter() - t0

@@ -26,6 +26,7 @@ from .options import MAX_INT
 from ._layout import (LeafKind, LeafSpec, check_scalar, check_spec, spec_from_row, spec_row,
                       tree_digest)
 
+PARITY_LEAF = -1  # the leaf of a parity block's piece record (see ._parity)
 FORMAT = "snapstore/manifest"
 VERSION = 3  # 3: an envelope with the body's crc32c; per-piece checksum kinds
 MAX_MANIFEST_BYTES = 64 << 20
@@ -56,6 +57,32 @@ class PieceRecord:
   kind: ChecksumKind = ChecksumKind.CRC32C
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParityRecord:
+  """One parity block (:mod:`._parity`) this store keeps.
+
+  Attributes:
+    piece: where it sits and its checksum, as a piece record whose ``leaf``
+      is ``PARITY_LEAF`` and whose ``index`` is ``((stripe, block),)``.
+    members: the store (host) of each member of its stripe, in member order.
+    layout: per member, the pieces (leaf, global index) of its buffer, in order.
+    length: bytes of each member's buffer (``k * piece.nbytes``).
+  """
+
+  piece: PieceRecord
+  members: tuple[int, ...]
+  layout: tuple[tuple[tuple[int, Index], ...], ...]
+  length: int
+
+  @property
+  def stripe(self) -> int:
+    return self.piece.index[0][0]
+
+  @property
+  def block(self) -> int:
+    return self.piece.index[0][1]
+
+
 @dataclasses.dataclass(frozen=True)
 class Manifest:
   run_id: str
@@ -71,10 +98,11 @@ class Manifest:
   scalars: Mapping[int, Any]
   extra: Any = None
   created: float = 0.0
+  parity: tuple[ParityRecord, ...] = ()
 
   @property
   def data_bytes(self) -> int:
-    return sum(p.nbytes for p in self.pieces)
+    return sum(p.nbytes for p in self.pieces) + sum(r.piece.nbytes for r in self.parity)
 
 
 def encode(m: Manifest) -> bytes:
@@ -84,14 +112,33 @@ def encode(m: Manifest) -> bytes:
       "host": m.host, "num_hosts": m.num_hosts, "tree_digest": m.tree_digest,
       "slot": m.slot, "chunk_bytes": m.chunk_bytes, "created": m.created,
       "leaves": [spec_row(s) for s in m.leaves],
-      "pieces": [[p.leaf, [list(r) for r in p.index], p.offset, p.nbytes,
-                  list(p.checksum), p.owner, p.kind.value] for p in m.pieces],
+      "pieces": [_piece_row(p) for p in m.pieces],
       "scalars": [[k, v] for k, v in sorted(m.scalars.items())],
       "extra": m.extra,
   }
+  if m.parity:
+    doc["parity"] = [[_piece_row(r.piece), list(r.members),
+                      [[[lf, [list(x) for x in idx]] for lf, idx in mem] for mem in r.layout],
+                      r.length] for r in m.parity]
   body = msgpack.packb(doc, use_bin_type=True)
   return msgpack.packb({"format": FORMAT, "version": VERSION,
                         "crc32c": crc32c.crc32c(body), "body": body}, use_bin_type=True)
+
+
+def _piece_row(p: PieceRecord) -> list[Any]:
+  return [p.leaf, [list(r) for r in p.index], p.offset, p.nbytes, list(p.checksum),
+          p.owner, p.kind.value]
+
+
+def _piece_from_row(row: Any, *, min_leaf: int = 0) -> PieceRecord:
+  leaf, index, offset, nbytes, crcs, owner, kind = row
+  return PieceRecord(_int(leaf, min_leaf), _index_from(index), _int(offset), _int(nbytes),
+                     tuple(_int(c, 0, 2**32 - 1) for c in crcs), _int(owner),
+                     ChecksumKind(kind))
+
+
+def _index_from(index: Any) -> Index:
+  return tuple((_int(a), _int(b)) for a, b in index)
 
 
 def check_extra(extra: Any) -> None:
@@ -185,13 +232,13 @@ def _from_doc(doc: Any) -> Manifest:
   if not isinstance(doc, dict):
     raise TypeError("top level is not a map")
   leaves = tuple(spec_from_row(row) for row in doc["leaves"])
-  pieces = []
-  for row in doc["pieces"]:
-    leaf, index, offset, nbytes, crcs, owner, kind = row
-    pieces.append(PieceRecord(_int(leaf), tuple((_int(a), _int(b)) for a, b in index),
-                              _int(offset), _int(nbytes),
-                              tuple(_int(c, 0, 2**32 - 1) for c in crcs), _int(owner),
-                              ChecksumKind(kind)))
+  pieces = [_piece_from_row(row) for row in doc["pieces"]]
+  parity = []
+  for piece, members, layout, length in doc.get("parity", ()):
+    parity.append(ParityRecord(
+        _piece_from_row(piece, min_leaf=PARITY_LEAF), tuple(_int(h) for h in members),
+        tuple(tuple((_int(lf), _index_from(idx)) for lf, idx in mem) for mem in layout),
+        _int(length)))
   scalars: dict[int, Any] = {}
   for k, v in doc["scalars"]:
     if _int(k) in scalars:
@@ -206,7 +253,7 @@ def _from_doc(doc: Any) -> Manifest:
       num_hosts=_int(doc["num_hosts"], 1), tree_digest=_str(doc["tree_digest"]),
       slot=_int(doc["slot"]), chunk_bytes=_int(doc["chunk_bytes"], 1),
       leaves=leaves, pieces=tuple(pieces), scalars=scalars,
-      extra=doc.get("extra"), created=float(created))
+      extra=doc.get("extra"), created=float(created), parity=tuple(parity))
 
 
 def validate(m: Manifest) -> None:
@@ -246,6 +293,38 @@ def validate(m: Manifest) -> None:
   for leaf, indices in by_leaf.items():
     if len(set(indices)) != len(indices) or not disjoint(indices):
       raise ValueError(f"pieces of leaf {m.leaves[leaf].path!r} overlap")
+  for r in m.parity:
+    _validate_parity(m, r)
+  blocks = [r.piece.index for r in m.parity]
+  if len(set(blocks)) != len(blocks):
+    raise ValueError("two parity blocks share a (stripe, block)")
+
+
+def _validate_parity(m: Manifest, r: ParityRecord) -> None:
+  p = r.piece
+  n = len(r.members)
+  if p.leaf != PARITY_LEAF or len(p.index) != 1 or p.kind is not ChecksumKind.CRC32C:
+    raise ValueError(f"parity block {p.index} is not a parity piece")
+  if not 2 <= n <= 1024 or len(set(r.members)) != n or len(r.layout) != n:
+    raise ValueError(f"parity block {p.index}: {n} members, {len(r.layout)} layouts")
+  if p.index[0][1] >= n or r.members[p.index[0][1]] != m.host:
+    raise ValueError(f"parity block {p.index} is not its holder's")
+  if r.length % (4 * (n - 1)) or p.nbytes != r.length // (n - 1):
+    raise ValueError(f"parity block {p.index}: {p.nbytes} bytes of a {r.length}-byte stripe")
+  if len(p.checksum) != max(1, -(-p.nbytes // m.chunk_bytes)):
+    raise ValueError(f"parity block {p.index} has {len(p.checksum)} checksum values")
+  for mem in r.layout:
+    used = 0
+    for leaf, idx in mem:
+      if leaf >= len(m.leaves) or m.leaves[leaf].kind is LeafKind.SCALAR:
+        raise ValueError(f"parity block {p.index} names leaf {leaf}, which holds no array")
+      spec = m.leaves[leaf]
+      if len(idx) != len(spec.shape) or any(
+          not a <= b <= d for (a, b), d in zip(idx, spec.shape)):
+        raise ValueError(f"parity block {p.index}: index {idx} outside {spec.shape}")
+      used += -(-index_nbytes(idx, spec.np_dtype.itemsize) // 4) * 4
+    if used > r.length:
+      raise ValueError(f"parity block {p.index}: a member's pieces exceed its stripe")
 
 
 def write_atomic(path: os.PathLike[str] | str, data: bytes, *,

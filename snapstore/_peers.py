@@ -11,18 +11,47 @@ processes call it in the same order.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _exchange, _faults, _group
+from . import _exchange, _faults, _group, _parity
 from ._assemble import Assembler, BadCopy, build_leaf, full_region
-from ._index import align, to_slices
+from ._index import Index, align, to_slices
 from ._layout import LeafKind, LeafSpec, batches, target_sharding, wants_numpy
 from ._manifest import Manifest
-from ._planner import CopyKey
+from ._planner import REBUILT, Copy, CopyKey
+
+
+def _rebuild(assembler: Assembler, piece: Callable[[int, Index], np.ndarray | None],
+             block: Callable[[Copy], np.ndarray | None],
+             total: Callable[[np.ndarray], np.ndarray]) -> int:
+  """Rebuilds the plan's lost pieces from parity (:mod:`._parity`): every
+  stripe's share from what this process holds (``piece``, ``block``: flat
+  bytes or None), summed by ``total``; the pieces go to the assembler.
+  Returns the bytes summed."""
+  plan = assembler.plan
+  if not plan.rebuilds:
+    return 0
+  itemsize = lambda leaf: plan.specs[leaf].np_dtype.itemsize  # noqa: E731
+  shares = [_parity.contribution(rb.layout, rb.lost, itemsize, piece,
+                                 lambda j, rb=rb: block(rb.blocks[j]))
+            for rb in plan.rebuilds]
+  flat = total(np.concatenate(shares))
+  at = 0
+  for rb, share in zip(plan.rebuilds, shares):
+    buf = np.array(flat[at:at + share.size])  # private: the leaves adopt it
+    at += share.size
+    for leaf, idx, raw in _parity.split(rb.layout, rb.lost, buf, itemsize):
+      if all(c.store == REBUILT for c in plan.copies.get((leaf, idx), ())):
+        assembler.add_rebuilt(leaf, idx, raw)
+  return flat.nbytes
+
+
+def _flat(x: Any) -> np.ndarray:
+  return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +80,9 @@ class Solo:
                targets: Sequence[Any]) -> Assembled:
     _faults.point("restore", assembler.plan.step)
     try:
+      # every store is here: the shares are the sum.
+      _rebuild(assembler, lambda leaf, idx: _flat(assembler.piece(leaf, idx)),
+               assembler.block, lambda words: words)
       if assembler.source.prefetch_pool is not None:
         assembler.prefetch(assembler.source.prefetch_pool)
       leaves = assembler.tree(target_specs, targets)
@@ -83,12 +115,35 @@ class Distributed:
     for (leaf, idx), copies in plan.copies.items():
       if any(c.store == self.host for c in copies):
         assembler.check(leaf, idx)  # in place: most of them this host will not use
+    for rb in plan.rebuilds:
+      for c in rb.blocks.values():
+        assembler.check_copy(c)
     bad = _exchange.gather_bad(list(assembler.bad))
     if bad:
-      return Assembled(None, {k: f"checksum mismatch in leaf {plan.specs[k[2]].path!r} "
+      return Assembled(None, {k: f"checksum mismatch in {self._what(plan, k)} "
                                  f"held by host {k[0]}" for k in bad})
+    rebuilt = _rebuild(assembler, self._my_piece(assembler),
+                       lambda c: assembler.block(c) if c.store == self.host else None,
+                       _exchange.sum_words)
     leaves, moved = self._leaves(assembler, target_specs, targets)
-    return Assembled(leaves, {}, moved)
+    return Assembled(leaves, {}, moved + rebuilt)
+
+  @staticmethod
+  def _what(plan: Any, key: CopyKey) -> str:
+    if key[2] < 0:
+      return f"parity block {key[3]}"
+    return f"leaf {plan.specs[key[2]].path!r}"
+
+  def _my_piece(self, assembler: Assembler) -> Callable[[int, Index], np.ndarray | None]:
+    """A rebuild's piece source: the pieces this host is the agreed source of."""
+    copies = assembler.plan.copies
+
+    def piece(leaf: int, idx: Index) -> np.ndarray | None:
+      real = [c for c in copies[(leaf, idx)] if c.store != REBUILT]
+      if _exchange.chosen_source(real).store != self.host:
+        return None
+      return _flat(assembler.piece(leaf, idx))
+    return piece
 
   def _leaves(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
               targets: Sequence[Any]) -> tuple[list[Any], int]:
@@ -127,7 +182,7 @@ class Distributed:
         offsets.append(off)
         leaf = buf[off: off + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
         for idx, copies in plan.leaf_copies(li).items():
-          if _exchange.chosen_source(copies).store == self.host:
+          if _exchange.contributes(copies, self.host):
             leaf[to_slices(idx)] = assembler.piece(li, idx)
         off += sizes[i]
       total = _exchange.sum_bytes(buf)

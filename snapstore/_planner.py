@@ -16,15 +16,21 @@ from typing import Any
 
 import msgpack
 
+import numpy as np
+
 from . import errors
-from ._index import Index, full, tiles, volume
+from ._index import Index, full, nbytes as index_nbytes, tiles, volume
 from ._layout import LeafKind, LeafSpec, spec_row
-from ._manifest import Manifest, PieceRecord
+from ._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceRecord
+from ._parity import PARITY_PATH, Layout
 
 logger = logging.getLogger(__name__)
 
 # (store, step, leaf, index): one stored copy that failed verification.
 CopyKey = tuple[int, int, int, Index]
+
+#: The store of a piece that no store holds but a parity rebuild will produce.
+REBUILT = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +48,17 @@ class Copy:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rebuild:
+  """One stripe's lost member, rebuilt from the parity blocks ``blocks``
+  (member -> its copy) and the other members' pieces (:mod:`._parity`)."""
+
+  stripe: int
+  lost: int
+  layout: Layout
+  blocks: Mapping[int, Copy]
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
   step: int
   incarnation: int
@@ -52,6 +69,14 @@ class StepPlan:
   scalars: Mapping[int, Any]
   extra: Any
   stores: tuple[int, ...]
+  rebuilds: tuple[Rebuild, ...] = ()
+
+  def path_and_dtype(self, record: PieceRecord) -> tuple[str, np.dtype]:
+    """What a stored copy's checksum is keyed by, and its dtype."""
+    if record.leaf == PARITY_LEAF:
+      return PARITY_PATH, np.dtype(np.uint8)
+    spec = self.specs[record.leaf]
+    return spec.path, spec.np_dtype
 
   def leaf_copies(self, leaf: int) -> dict[Index, tuple[Copy, ...]]:
     return self._by_leaf.get(leaf, {})
@@ -119,12 +144,19 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
       reasons.append(why)
     return None
   copies: dict[tuple[int, Index], list[Copy]] = collections.defaultdict(list)
+  parity: dict[int, dict[int, tuple[Copy, ParityRecord]]] = collections.defaultdict(dict)
   for m in sorted(ms, key=lambda m: (m.host != prefer_store, m.host)):
-    slot_bytes = max((p.offset + p.nbytes for p in m.pieces), default=0)
+    slot_bytes = max([p.offset + p.nbytes for p in m.pieces] +
+                     [r.piece.offset + r.piece.nbytes for r in m.parity], default=0)
     for p in m.pieces:
       c = Copy(m.host, m.slot, p, slot_bytes)
       if c.key(step) not in bad:
         copies[(p.leaf, p.index)].append(c)
+    for r in m.parity:
+      c = Copy(m.host, m.slot, r.piece, slot_bytes)
+      if c.key(step) not in bad:
+        parity[r.stripe].setdefault(r.block, (c, r))
+  rebuilds = _rebuilds(step, ref.leaves, parity, copies, reasons)
   by_leaf: dict[int, list[Index]] = collections.defaultdict(list)
   for lf, idx in copies:
     by_leaf[lf].append(idx)
@@ -145,7 +177,52 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
                   tree_digest=ref.tree_digest, chunk_bytes=ref.chunk_bytes,
                   copies={k: tuple(v) for k, v in copies.items()},
                   scalars=dict(ref.scalars), extra=ref.extra,
-                  stores=tuple(sorted({m.host for m in ms})))
+                  stores=tuple(sorted({m.host for m in ms})), rebuilds=tuple(rebuilds))
+
+
+def _rebuilds(step: int, leaves: Sequence[LeafSpec],
+              parity: Mapping[int, Mapping[int, tuple[Copy, ParityRecord]]],
+              copies: dict[tuple[int, Index], list[Copy]],
+              reasons: list[str] | None) -> list[Rebuild]:
+  """The stripes with one member's pieces gone and every other member's
+  pieces and parity block usable; their lost pieces get a :data:`REBUILT`
+  copy in ``copies``. Why a stripe cannot be rebuilt goes to ``reasons``
+  (before the leaf that then fails: it explains the step's rejection better)."""
+  out = []
+  for stripe in sorted(parity):
+    blocks = parity[stripe]
+    ref = next(iter(blocks.values()))[1]
+    if any((r.members, r.layout, r.length) != (ref.members, ref.layout, ref.length)
+           for _, r in blocks.values()):
+      why = f"step {step}: the parity blocks of stripe {stripe} disagree on its layout"
+    else:
+      n = len(ref.members)
+      real = lambda key: any(c.store != REBUILT for c in copies.get(key, ()))  # noqa: E731
+      lost = [m for m in range(n) if not all(real(key) for key in ref.layout[m])]
+      if not lost:
+        continue
+      x = lost[0]
+      gone = [j for j in range(n) if j != x and j not in blocks]
+      group = f"group of hosts {list(ref.members)} (stripe {stripe})"
+      if len(lost) > 1:
+        why = (f"step {step}: the {group} lost hosts {[ref.members[m] for m in lost]}; "
+               "parity rebuilds one lost host of a group")
+      elif gone:
+        why = (f"step {step}: the {group} lost host {ref.members[x]} and the parity "
+               f"blocks of hosts {[ref.members[j] for j in gone]} are unusable")
+      else:
+        out.append(Rebuild(stripe, x, Layout(ref.members, ref.layout, ref.length),
+                           {j: blocks[j][0] for j in range(n) if j != x}))
+        for leaf, idx in ref.layout[x]:
+          if not real((leaf, idx)) and not copies.get((leaf, idx)):
+            rec = PieceRecord(leaf, idx, 0, index_nbytes(idx, leaves[leaf].np_dtype.itemsize),
+                              (), ref.members[x])
+            copies[(leaf, idx)].append(Copy(REBUILT, -1, rec, 0))
+        continue
+    logger.info(why)
+    if reasons is not None:
+      reasons.append(why)
+  return out
 
 
 def choose(manifests: Iterable[Manifest], *, step: int | None = None,

@@ -30,6 +30,8 @@ def main() -> int:
   p.add_argument("--checkpoint-every", type=int, default=0)
   p.add_argument("--hosts-per-domain", type=int, default=None)
   p.add_argument("--replicas", type=int, default=1)
+  p.add_argument("--redundancy", choices=("replica", "parity"), default="replica")
+  p.add_argument("--parity-k", type=int, default=3)
   p.add_argument("--replica-interval", type=int, default=1,
                  help="replicas travel with every this-many-th snapshot")
   p.add_argument("--keep", type=int, default=2, help="snapshots kept per host")
@@ -68,6 +70,7 @@ def main() -> int:
   opts = snapstore.SnapshotOptions(
       interval=1 if a.snapshots else 10**9, keep=a.keep, store_dir=a.store, run_id=a.run_id,
       persistent_interval=a.checkpoint_every, replicas=a.replicas,
+      redundancy=a.redundancy, parity_k=a.parity_k,
       replica_interval=a.replica_interval,
       hosts_per_domain=a.hosts_per_domain)
   attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))

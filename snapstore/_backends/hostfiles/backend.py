@@ -10,6 +10,7 @@ domain, all written by this process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,8 @@ from ..._assemble import Assembler, BadCopy
 from ..._checksum import ChecksumKind, copy_verified, crc_matches, piece_key
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
-from ..._manifest import Manifest, PieceRecord
+from ..._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceRecord
+from ... import _group, _parity
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ...options import SnapshotOptions, StoreKind
@@ -36,6 +38,12 @@ from .store import HostStore, host_dir
 class _Pending:
   header: Header
   jobs: list[tuple[HostStore, _capture.Capture, int]]  # (store, capture, slot)
+
+
+@functools.lru_cache(maxsize=8)
+def _stripes_of(devices: tuple[jax.Device, ...], domains: tuple[tuple[int, int], ...],
+                k: int) -> _parity.Stripes:
+  return _parity.stripes(devices, dict(domains), k)
 
 
 class HostFilesBackend(DomainStores):
@@ -60,10 +68,21 @@ class HostFilesBackend(DomainStores):
                      run_id=options.run_id)
     self._domains = (host_domains(jax.devices(), options.hosts_per_domain)
                      if num_hosts > 1 else None)
+    if self._domains is not None and options.redundancy == "parity":
+      why = _parity.groups_error(len(set(self._domains.values())), options.parity_k)
+      if why:
+        raise ValueError(why)
     self._views_plan: StepPlan | None = None  # slot views of the plan being read
     self._views: dict[tuple[int, int], np.ndarray] = {}
     self._views_lock = threading.Lock()  # fetches run on the pool
 
+
+  def _stripes(self) -> _parity.Stripes | None:
+    """The parity stripes over the job's devices now (None: replicas)."""
+    if self.options.redundancy != "parity" or self._domains is None:
+      return None
+    return _stripes_of(tuple(_group.devices()), tuple(sorted(self._domains.items())),
+                       self.options.parity_k)
 
   def describe(self) -> str:
     return f"the host stores in {self.stores[min(self.stores)].root.parent}"
@@ -81,7 +100,8 @@ class HostFilesBackend(DomainStores):
       caps = {self._host: _capture.capture(specs, leaves, host=self._host,
                                            domains=self._domains,
                                            replicas=replicas,
-                                           step=header.step)}
+                                           step=header.step,
+                                           stripes=self._stripes() if replicas else None)}
     jobs = []
     for sid, cap in caps.items():
       store = self.stores[sid]
@@ -95,11 +115,13 @@ class HostFilesBackend(DomainStores):
       nbytes += cap.nbytes
       crcs = _capture.drain(cap, store.slot_buffer(slot), offsets, pool=self._pool,
                             chunk_bytes=self.options.chunk_bytes)
-      pieces = tuple(PieceRecord(p.leaf, p.index, off, p.nbytes, c, owner,
-                                 ChecksumKind.CRC32C)
-                     for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners))
-      store.commit(Manifest(pieces=pieces, created=time.time(), host=store.host,
-                            slot=slot, scalars=dict(cap.scalars),
+      records = [PieceRecord(p.leaf, p.index, off, p.nbytes, c, owner, ChecksumKind.CRC32C)
+                 for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners)]
+      parity = tuple(ParityRecord(r, *cap.parity[r.index[0]])
+                     for r in records if r.leaf == PARITY_LEAF)
+      store.commit(Manifest(pieces=tuple(r for r in records if r.leaf != PARITY_LEAF),
+                            created=time.time(), host=store.host, slot=slot,
+                            scalars=dict(cap.scalars), parity=parity,
                             **pending.header.fields()))
       retain(store, self.options.keep)
     return nbytes
@@ -116,14 +138,14 @@ class HostFilesBackend(DomainStores):
         try:
           buf = self.stores[copy.store].read_buffer(copy.slot, copy.slot_bytes)
         except (OSError, ValueError) as e:  # CorruptSnapshotError is a ValueError
-          raise BadCopy(copy.key(plan.step), plan.specs[copy.record.leaf].path,
+          raise BadCopy(copy.key(plan.step), plan.path_and_dtype(copy.record)[0],
                         why=f"unreadable ({e})") from e
         self._views[(copy.store, copy.slot)] = buf
     return buf[copy.record.offset: copy.record.offset + copy.record.nbytes]
 
   def check(self, plan: StepPlan, copy: Copy) -> None:
     rec = copy.record
-    path = plan.specs[rec.leaf].path
+    path, _ = plan.path_and_dtype(rec)
     if rec.kind is not ChecksumKind.CRC32C or not crc_matches(
         self._read(plan, copy), rec.checksum, chunk_bytes=plan.chunk_bytes,
         key=piece_key(path, rec.index), pool=self._pool):
@@ -131,20 +153,20 @@ class HostFilesBackend(DomainStores):
 
   def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None, *,
             out: np.ndarray | None = None) -> Any:
-    spec = plan.specs[copy.record.leaf]
     rec = copy.record
+    path, dtype = plan.path_and_dtype(rec)
     raw = self._read(plan, copy)
     # A private copy, checked as it is made: the slot is shared memory that a
     # later save (or another process) may rewrite or shrink, and device_put
     # may alias a page-aligned host buffer instead of copying it.
     got = (copy_verified(raw, rec.checksum, chunk_bytes=plan.chunk_bytes,
-                         key=piece_key(spec.path, rec.index),
+                         key=piece_key(path, rec.index),
                          pool=self._pool if out is None else None, out=out)
            if rec.kind is ChecksumKind.CRC32C else None)
     del raw
     if got is None:
-      raise BadCopy(copy.key(plan.step), spec.path)
-    return got.view(spec.np_dtype).reshape(shape_of(rec.index))
+      raise BadCopy(copy.key(plan.step), path)
+    return got.view(dtype) if rec.leaf < 0 else got.view(dtype).reshape(shape_of(rec.index))
 
   def place_leaf(self, assembler: Assembler, leaf: int, sharding: jax.sharding.Sharding,
                  wanted: Sequence[tuple[jax.Device, Index]]) -> None:

@@ -25,9 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ... import _faults
+from ... import _faults, _parity
 from ..._checksum import chunk_seeds, copy_crc, piece_key
-from ..._index import align, nbytes as index_nbytes, normalize
+from ..._index import Index, align, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches
 from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
                            ring_permutable, ring_permute)
@@ -44,6 +44,9 @@ class Capture:
   owners: list[int]
   sources: list[Source]
   scalars: dict[int, Any]
+  # (stripe, block) of each parity piece -> (members, layout, length)
+  parity: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Any, ...], int]] = \
+      dataclasses.field(default_factory=dict)
 
   @property
   def nbytes(self) -> int:
@@ -93,17 +96,21 @@ def _bytes_of(x: np.ndarray) -> np.ndarray:
 def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
             host: int, domains: dict[int, int] | None = None,
             replicas: int = 0, step: int = -1,
-            replica_batch_bytes: int = 64 << 20) -> Capture:
+            replica_batch_bytes: int = 64 << 20,
+            stripes: _parity.Stripes | None = None) -> Capture:
   """Takes a stable reference to every addressable piece of ``leaves``.
 
   With ``domains`` and ``replicas`` (multi-host), also receives, by a JAX
   resharding onto a ring-permuted mesh, the replica pieces this host keeps
-  for hosts of other domains. Collective then: every host calls it with the
-  same state.
+  for hosts of other domains; with ``stripes`` instead, the parity blocks of
+  its stripes (:mod:`.._parity`; a leaf the parity collective cannot carry,
+  not evenly sharded over every device, still travels as a full replica).
+  Collective then: every host calls it with the same state.
   """
   cap = Capture(list(specs), [], [], [], {})
   middle = len(specs) // 2
   transfers: list[Transfer] = []
+  protect: list[tuple[int, jax.Array]] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
     if i == middle:
       _faults.point("capture", step)
@@ -121,11 +128,33 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     if domains is None or replicas == 0:
       continue
     shardings = replica_shardings(arr.sharding, tuple(arr.shape), domains, replicas)
-    if shardings:
+    if shardings and stripes is not None and ring_permutable(arr):
+      protect.append((i, arr))
+    elif shardings:
       owner_of = owners(arr.sharding, tuple(arr.shape))
       transfers.extend(Transfer(i, arr, rs, owner_of, mine) for rs in shardings)
   _replicate(cap, transfers, step=step, batch_bytes=replica_batch_bytes)
+  if protect:
+    _add_parity(cap, stripes, protect, host=host, step=step)
   return cap
+
+
+def _add_parity(cap: Capture, st: _parity.Stripes, protect: Sequence[tuple[int, jax.Array]],
+                *, host: int, step: int) -> None:
+  """Computes the parity of ``protect`` over ``st`` (one collective) and
+  adds the blocks this host keeps, one per local device."""
+  out, layouts, length = _parity.encode(st, [i for i, _ in protect], [a for _, a in protect])
+  _faults.point("replica", step)
+  for shard in out.addressable_shards:
+    s, j = st.where[shard.device]
+    key = (st.stripe_id(s), j)
+    members = tuple(int(st.grid[s, m].process_index) for m in range(st.n))
+    layout: tuple[tuple[tuple[int, Index], ...], ...] = tuple(
+        layouts[s * st.n + m] for m in range(st.n))
+    cap.pieces.append(Piece(_parity.PARITY_LEAF, (key,), length // st.k))
+    cap.owners.append(host)
+    cap.sources.append(shard.data)  # a fresh buffer: the drain waits for it
+    cap.parity[key] = (members, layout, length)
 
 
 def _replicate(cap: Capture, transfers: Sequence[Transfer], *, step: int,
@@ -213,7 +242,9 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
     if src.nbytes != piece.nbytes:
       raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, "
                        f"expected {piece.nbytes}")
-    key = piece_key(cap.specs[piece.leaf].path, piece.index)
+    path = (_parity.PARITY_PATH if piece.leaf == _parity.PARITY_LEAF
+            else cap.specs[piece.leaf].path)
+    key = piece_key(path, piece.index)
     starts = range(0, max(src.nbytes, 1), chunk_bytes)
     chunks.extend((src, at, a, min(a + chunk_bytes, src.nbytes), seed)
                   for a, seed in zip(starts, chunk_seeds(key, len(starts))))
