@@ -82,6 +82,7 @@ class Assembler:
     self.source = source
     self._verified: dict[tuple[int, Index], Stored] = {}
     self.bytes_read = 0
+    self.bytes_rebuilt = 0  # pieces rebuilt from parity
     self.bad: dict[CopyKey, BadCopy] = {}  # copies found bad (the manager notes them)
 
   def _first_good(self, key: tuple[int, Index], device: jax.Device | None,
@@ -184,7 +185,9 @@ class Assembler:
   def add_rebuilt(self, leaf: int, index: Index, data: np.ndarray) -> None:
     """A piece a parity rebuild produced (``data``: its flat bytes, private)."""
     spec = self.plan.specs[leaf]
-    self._verified.setdefault((leaf, index), data.view(spec.np_dtype).reshape(shape_of(index)))
+    if (leaf, index) not in self._verified:
+      self._verified[(leaf, index)] = data.view(spec.np_dtype).reshape(shape_of(index))
+      self.bytes_rebuilt += data.nbytes
 
   def region(self, leaf: int, index: Index, device: jax.Device | None) -> tuple[Stored, bool]:
     """The global region ``index`` of ``leaf``, cut from the pieces that

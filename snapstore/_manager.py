@@ -253,6 +253,8 @@ class SnapshotManager:
       read = {"snapshot": assembler.bytes_read}
       if self._peers.multi_host:
         read["exchanged"] = got.bytes_exchanged
+      if assembler.bytes_rebuilt:
+        read["rebuilt"] = assembler.bytes_rebuilt
       result = self._report(RestoreResult(
           step=plan.step, state=jax.tree_util.tree_unflatten(treedef, got.leaves),
           extra=copy_extra(plan.extra), source=Source.SNAPSHOT, rewind_steps=newest - plan.step,

@@ -47,7 +47,9 @@ class RestoreResult:
     source: ``Source.SNAPSHOT`` or ``Source.PERSISTENT``.
     rewind_steps: newest step ever saved minus ``step``.
     newest_step: the newest step ever passed to ``save`` (-1 if unknown).
-    bytes_read: bytes read per tier (``{"snapshot": n, "persistent": m}``).
+    bytes_read: bytes read per tier (``{"snapshot": n, "persistent": m}``; multi-host
+      also ``"exchanged"``: bytes summed between hosts; ``"rebuilt"``: bytes of
+      lost pieces rebuilt from parity).
     timings: seconds per phase (``scan``, ``plan``, ``read``, ``total``...).
     notes: why fresher candidates were not used.
   """

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 
 STEPS = 7
 HOSTS = 4
+PARITY = ["--hosts-per-domain", "1", "--redundancy", "parity", "--parity-k", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -146,16 +147,57 @@ def test_kill_during_restore_then_restore_again(reference, tmp_path, cache_dir):
     assert job.incs[1].restore["step"] == r["step"]
 
 
-def test_both_copies_lost_falls_back_to_orbax(reference, tmp_path, cache_dir):
-  """Hosts 0 and 2 (different domains, each other's replica) die together."""
+def test_two_lost_hosts_of_a_parity_group_fall_back_to_orbax_naming_the_group(
+    reference, tmp_path, cache_dir):
+  """Parity k=3 over 4 one-host domains: hosts 0 and 2 die together with
+  their stores; one parity block per stripe cannot rebuild two members."""
   job = Job(tmp_path, cache_dir, "orbax")
   job.run([Kill(host=0, step=5, lose_store=True), Kill(host=2, step=5, lose_store=True)],
-          args=["--hosts-per-domain", "2", "--persistent", str(tmp_path / "ckpt"),
-                "--checkpoint-every", "2"])
+          args=[*PARITY, "--persistent", str(tmp_path / "ckpt"), "--checkpoint-every", "2"])
   assert sorted(job.incs[0].killed) == [0, 2]
   r = check_resumed(job.report, reference, lo=2, hi=4, source="persistent")
   assert r["step"] % 2 == 0
   assert any("persistent tier" in n for n in r["notes"])
+  assert any("group of hosts [0, 1, 2, 3]" in n and "[0, 2]" in n for n in r["notes"]), \
+      r["notes"]
+
+
+def test_parity_rebuilds_a_lost_host_and_never_uses_a_flipped_byte(
+    reference, tmp_path, cache_dir):
+  """Parity k=3 over 4 one-host domains; a seeded host dies with its store.
+  At the newest step all survivors hold, one survivor's parity block has a
+  flipped byte; at the one before, another survivor's own piece (used by
+  the rebuild, no other copy). The step before those is restored, the lost
+  host's pieces rebuilt from parity over the wire, bitwise equal."""
+  rng = random.Random(2024)
+  victim = rng.randrange(HOSTS)
+  bad_block, bad_piece = (victim + 1) % HOSTS, (victim + 2) % HOSTS
+  seen = {}
+
+  def damage(inc):
+    if inc.number != 0:
+      return
+    held = {h: _manifests(job.store, h) for h in range(HOSTS) if h != victim}
+    common = sorted(set.intersection(*[set(m) for m in held.values()]))
+    assert len(common) >= 3, common  # keep=3
+    seen["expected"] = common[-3]
+    m = held[bad_block][common[-1]]
+    _flip(job.store, m, m.parity[0].piece.offset)
+    m = held[bad_piece][common[-2]]
+    others = {(p.leaf, p.index) for h, ms in held.items() if h != bad_piece
+              for p in ms[common[-2]].pieces}
+    mine = set(m.parity[0].layout[m.parity[0].members.index(bad_piece)])
+    rec = next(p for p in m.pieces if (p.leaf, p.index) in mine - others)
+    _flip(job.store, m, rec.offset)
+
+  job = Job(tmp_path, cache_dir, "parity")
+  job.run([Kill(host=victim, step=6, lose_store=True)], args=[*PARITY, "--keep", "3"],
+          between=damage)
+  r = check_resumed(job.report, reference, lo=seen["expected"], hi=seen["expected"])
+  assert r["bytes_read"]["rebuilt"] > 0 and r["bytes_read"]["exchanged"] > 0
+  assert any("parity block" in n and f"host {bad_block}" in n for n in r["notes"]), r["notes"]
+  assert any("checksum mismatch in leaf" in n and f"host {bad_piece}" in n
+             for n in r["notes"]), r["notes"]
 
 
 def test_two_replicas_survive_two_lost_domains(reference, tmp_path, cache_dir):
@@ -172,6 +214,15 @@ def _manifests(store, host):
   root = host_dir(store, "job", host)
   return {int(p.name[5:15]): decode(p.read_bytes())
           for p in root.glob("step-*.manifest")}
+
+
+def _flip(store, manifest, offset):
+  """Flips the byte at ``offset`` of the slot ``manifest`` names."""
+  with open(host_dir(store, "job", manifest.host) / f"slot-{manifest.slot}.bin", "r+b") as f:
+    f.seek(offset)
+    b = f.read(1)
+    f.seek(offset)
+    f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_dir):
@@ -191,13 +242,7 @@ def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_
     assert len(common) >= 2, common  # keep=3: the hosts are at most a step apart
     newest, seen["expected"] = common[-1], common[-2]
     m3 = held[2][newest]
-    rec = next(p for p in m3.pieces if p.owner == 1)
-    slot = host_dir(job_store, "job", 3) / f"slot-{m3.slot}.bin"
-    with open(slot, "r+b") as f:
-      f.seek(rec.offset)
-      b = f.read(1)
-      f.seek(rec.offset)
-      f.write(bytes([b[0] ^ 0xFF]))
+    _flip(job_store, m3, next(p for p in m3.pieces if p.owner == 1).offset)
     stale = host_dir(job_store, "job", 1)
     shutil.copytree(host_dir(job_store, "job", 0), stale, dirs_exist_ok=True)
     for step, m in _manifests(job_store, 0).items():

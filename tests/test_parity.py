@@ -1,0 +1,154 @@
+"""Parity arithmetic, manifests and planning, in one process (8 CPU devices).
+
+The multi-process cases (a SIGKILLed host rebuilt from parity, two lost in a
+group, flipped bytes) are in test_multihost.py.
+"""
+
+import dataclasses
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from snapstore import SnapshotOptions, errors
+from snapstore import _parity, _planner
+from snapstore._checksum import ChecksumKind
+from snapstore._index import to_slices
+from snapstore._layout import flatten, tree_digest
+from snapstore._manifest import (PARITY_LEAF, Manifest, ParityRecord, PieceRecord, decode,
+                                 encode)
+
+
+def _stripes(k):
+  """The 8 devices as 8 / (k+1) stripes of k+1 members (one process stands
+  for every host: the arithmetic is what is tested here)."""
+  n = k + 1
+  devs = jax.devices()[: (8 // n) * n]
+  grid = np.empty((len(devs) // n, n), object)
+  for i, d in enumerate(devs):
+    grid[i // n, i % n] = d
+  return _parity.Stripes(k, grid)
+
+
+def _state(mesh, seed):
+  rng = np.random.default_rng(seed)
+  sh, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+  host = {
+      "w": rng.standard_normal((16, 5)).astype(np.float32),
+      "b": rng.integers(0, 255, (8, 3)).astype(np.uint8),  # 3 bytes a shard: padded
+      "bf": rng.standard_normal((24,)).astype(ml_dtypes.bfloat16),
+      "m": rng.integers(0, 2, (8, 1)).astype(bool),
+      "r": rng.standard_normal((3,)).astype(np.float16),  # replicated
+  }
+  arrays = {k: jax.device_put(v, rep if k == "r" else sh) for k, v in host.items()}
+  return host, arrays
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_any_one_member_is_rebuilt_bitwise_from_parity_and_the_others(k):
+  st = _stripes(k)
+  mesh = jax.sharding.Mesh(np.array(list(st.grid.flat)), ("x",))
+  host, arrays = _state(mesh, seed=k)
+  names = sorted(arrays)
+  out, layouts, length = _parity.encode(st, list(range(len(names))),
+                                        [arrays[n] for n in names])
+  assert length % (4 * k) == 0 and out.shape[1] * 4 == length // k
+  itemsize = lambda leaf: host[names[leaf]].dtype.itemsize  # noqa: E731
+  piece = lambda leaf, idx: np.ascontiguousarray(  # noqa: E731
+      host[names[leaf]][to_slices(idx)]).reshape(-1).view(np.uint8)
+  blocks = {st.where[s.device]: np.asarray(s.data).reshape(-1) for s in out.addressable_shards}
+  for s in range(st.grid.shape[0]):
+    layout = _parity.Layout(tuple(range(st.n)), tuple(layouts[s * st.n + m] for m in range(st.n)),
+                            length)
+    for lost in range(st.n):
+      buf = _parity.contribution(layout, lost, itemsize, piece, lambda j: blocks[(s, j)])
+      got = _parity.split(layout, lost, buf, itemsize)
+      assert [(lf, idx) for lf, idx, _ in got] == list(layout.pieces[lost])
+      for leaf, idx, raw in got:
+        assert raw.tobytes() == piece(leaf, idx).tobytes(), (s, lost, names[leaf])
+      # A flipped bit in any block used changes the rebuilt bytes: the
+      # blocks' checksums are what stands between it and a restore.
+      j = (lost + 1) % st.n
+      bad = {**{jj: blocks[(s, jj)] for jj in range(st.n)}, j: blocks[(s, j)] ^ np.uint32(1)}
+      buf = _parity.contribution(layout, lost, itemsize, piece, lambda jj: bad[jj])
+      assert any(raw.tobytes() != piece(leaf, idx).tobytes()
+                 for leaf, idx, raw in _parity.split(layout, lost, buf, itemsize))
+
+
+def test_groups_must_divide_the_domains():
+  assert _parity.groups_error(4, 3) is None and _parity.groups_error(1, 3) is None
+  assert "groups of 4" in _parity.groups_error(6, 3)
+  with pytest.raises(ValueError, match="redundancy"):
+    SnapshotOptions(redundancy="erasure")
+  with pytest.raises(ValueError, match="parity_k"):
+    SnapshotOptions(redundancy="parity", parity_k=0)
+
+
+def test_parity_is_refused_on_a_single_controller_with_slices(store_dir):
+  from snapstore import SnapshotManager
+  devs = jax.devices()
+  with pytest.raises(ValueError, match="parity"):
+    SnapshotManager(SnapshotOptions(store_dir=store_dir, redundancy="parity"),
+                    slices={0: devs[:4], 1: devs[4:]})
+
+
+# ---------------------------------------------------------------- manifests
+def _manifests(k=3):
+  """One step's manifests of k+1 hosts, one piece each (leaf 0, rows of 4),
+  each host keeping its parity block of the one stripe."""
+  n = k + 1
+  specs, _, _ = flatten({"w": jax.ShapeDtypeStruct((4 * n, 2), np.float32)})
+  layout = tuple((((0, ((4 * h, 4 * h + 4), (0, 2))),)) for h in range(n))
+  length = _parity.member_length([32], k)
+  out = []
+  for h in range(n):
+    piece = PieceRecord(0, ((4 * h, 4 * h + 4), (0, 2)), 0, 32, (0,), h)
+    block = PieceRecord(PARITY_LEAF, ((7, h),), 4096, length // k, (0,), h)
+    out.append(Manifest(run_id="r", incarnation=0, step=5, host=h, num_hosts=n,
+                        tree_digest=tree_digest(specs), slot=0, chunk_bytes=1 << 20,
+                        leaves=tuple(specs), pieces=(piece,), scalars={},
+                        parity=(ParityRecord(block, tuple(range(n)), layout, length),)))
+  return out
+
+
+def test_a_parity_record_survives_the_manifest_round_trip():
+  for m in _manifests():
+    assert decode(encode(m)) == m
+
+
+@pytest.mark.parametrize("change", [
+    lambda r: dataclasses.replace(r, members=(0, 1, 2, 2)),       # a host twice
+    lambda r: dataclasses.replace(r, members=(9, 1, 2, 3)),       # block 0 not its holder's
+    lambda r: dataclasses.replace(r, length=r.length + 4),        # not k blocks
+    lambda r: dataclasses.replace(r, layout=r.layout[:3]),        # a member without layout
+    lambda r: dataclasses.replace(r, layout=((((0, ((0, 99), (0, 2))),)),) + r.layout[1:]),
+    lambda r: dataclasses.replace(r, layout=((((3, ((0, 4), (0, 2))),)),) + r.layout[1:]),
+    lambda r: dataclasses.replace(r, piece=dataclasses.replace(r.piece, leaf=0)),
+    lambda r: dataclasses.replace(
+        r, piece=dataclasses.replace(r.piece, kind=ChecksumKind.DEVICE_SUM)),
+])
+def test_a_malformed_parity_record_is_corruption(change):
+  m = _manifests()[0]
+  bad = dataclasses.replace(m, parity=(change(m.parity[0]),))
+  with pytest.raises(errors.CorruptSnapshotError):
+    decode(encode(bad))
+
+
+def test_the_planner_rebuilds_one_lost_member_and_names_the_group_when_two_are_lost():
+  ms = _manifests()
+  plan = _planner.choose(ms[:1] + ms[2:])  # host 1 lost
+  assert plan is not None and plan.step == 5
+  (rb,) = plan.rebuilds
+  assert rb.lost == 1 and sorted(rb.blocks) == [0, 2, 3]
+  (copy,) = plan.copies[(0, ((4, 8), (0, 2)))]
+  assert copy.store == _planner.REBUILT
+  reasons = []
+  assert _planner.choose(ms[:1] + ms[3:], reasons=reasons) is None  # hosts 1 and 2
+  assert "group of hosts [0, 1, 2, 3]" in reasons[0] and "[1, 2]" in reasons[0]
+  bad = {(2, 5, PARITY_LEAF, ((7, 2),))}  # host 1 lost and host 2's block bad
+  reasons = []
+  assert _planner.choose(ms[:1] + ms[2:], bad=bad, reasons=reasons) is None
+  assert "parity blocks of hosts [2]" in reasons[0]
+  assert _planner.choose(ms).rebuilds == ()  # nothing lost, nothing rebuilt
