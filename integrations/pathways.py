@@ -60,6 +60,8 @@ class ElasticOptions:
   snapshot_interval: int = 1
   snapshot_replicas: int = 1
   snapshot_keep: int = 2
+  snapshot_redundancy: str = "replica"  # or "parity" (SnapshotOptions.redundancy)
+  snapshot_parity_k: int = 3
 
   def __post_init__(self) -> None:
     if self.elastic_max_retries < 0:
@@ -79,6 +81,7 @@ class ElasticEvent:
   source: str | None
   rewind_steps: int | None
   notes: tuple[str, ...]
+  bytes_read: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class ElasticTrainer:
@@ -109,6 +112,8 @@ class ElasticTrainer:
         SnapshotOptions(interval=self.options.snapshot_interval,
                         keep=self.options.snapshot_keep,
                         replicas=self.options.snapshot_replicas, store_dir=store_dir,
+                        redundancy=self.options.snapshot_redundancy,
+                        parity_k=self.options.snapshot_parity_k,
                         run_id=run_id, persistent_interval=persistent_interval),
         persistent=persistent, slices=elastic.slice_to_devices)
     self.events: list[ElasticEvent] = []
@@ -142,7 +147,8 @@ class ElasticTrainer:
             restored.step if restored else None,
             restored.source.value if restored else None,
             restored.rewind_steps if restored else None,
-            restored.notes if restored else ())
+            restored.notes if restored else (),
+            dict(restored.bytes_read) if restored else {})
         self.events.append(event)
         logger.warning("elastic attempt %d: lost slices %s, restored step %s from %s "
                        "(rewind %s)", event.attempt, event.lost_slices,

@@ -28,13 +28,21 @@ Stored = np.ndarray | jax.Array
 PREFETCH_TASK_BYTES = 4 << 20
 
 
+def what_copy(key: CopyKey, path: str) -> str:
+  """A copy's content for messages: its leaf, or its parity block."""
+  if key[2] < 0:
+    stripe, block = key[3][0]
+    return f"parity block {block} of stripe {stripe}"
+  return f"leaf {path!r}"
+
+
 class BadCopy(Exception):
   """A stored copy failed verification or could not be read (internal: the
   assembler tries the next copy; the manager re-plans when none is left)."""
 
   def __init__(self, key: CopyKey, leaf: str, *, why: str = "checksum mismatch",
                holder: str | None = None):
-    super().__init__(f"{why} in leaf {leaf!r} held by {holder or f'host {key[0]}'}")
+    super().__init__(f"{why} in {what_copy(key, leaf)} held by {holder or f'host {key[0]}'}")
     self.key = key
     self.leaf = leaf
 

@@ -303,7 +303,7 @@ def validate(m: Manifest) -> None:
 def _validate_parity(m: Manifest, r: ParityRecord) -> None:
   p = r.piece
   n = len(r.members)
-  if p.leaf != PARITY_LEAF or len(p.index) != 1 or p.kind is not ChecksumKind.CRC32C:
+  if p.leaf != PARITY_LEAF or len(p.index) != 1:
     raise ValueError(f"parity block {p.index} is not a parity piece")
   if not 2 <= n <= 1024 or len(set(r.members)) != n or len(r.layout) != n:
     raise ValueError(f"parity block {p.index}: {n} members, {len(r.layout)} layouts")
@@ -311,7 +311,8 @@ def _validate_parity(m: Manifest, r: ParityRecord) -> None:
     raise ValueError(f"parity block {p.index} is not its holder's")
   if r.length % (4 * (n - 1)) or p.nbytes != r.length // (n - 1):
     raise ValueError(f"parity block {p.index}: {p.nbytes} bytes of a {r.length}-byte stripe")
-  if len(p.checksum) != max(1, -(-p.nbytes // m.chunk_bytes)):
+  want = 2 if p.kind is ChecksumKind.DEVICE_SUM else max(1, -(-p.nbytes // m.chunk_bytes))
+  if len(p.checksum) != want:
     raise ValueError(f"parity block {p.index} has {len(p.checksum)} checksum values")
   for mem in r.layout:
     used = 0

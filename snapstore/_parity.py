@@ -38,7 +38,7 @@ from ._index import Index, nbytes as index_nbytes, normalize
 from ._manifest import PARITY_LEAF
 
 __all__ = ["PARITY_LEAF", "PARITY_PATH", "Layout", "Stripes", "contribution", "encode",
-           "groups_error", "split", "stripes"]
+           "evenly_sharded", "groups_error", "layout", "slice_stripes", "split", "stripes"]
 
 #: What a parity block's crc32c is seeded with (with its (stripe, block)).
 PARITY_PATH = "<parity>"
@@ -130,6 +130,23 @@ def stripes(devices: Sequence[jax.Device], domains: Mapping[int, int], k: int) -
   return Stripes(k, grid)
 
 
+def slice_stripes(slices: Mapping[int, Sequence[jax.Device]], k: int) -> Stripes | None:
+  """Single controller: stripes over failure domains given as slices (domain
+  -> its devices, in order); None if they do not form whole groups of
+  ``k + 1`` of equal size (the caller keeps full replicas then)."""
+  keys = sorted(slices)
+  n = k + 1
+  if len(keys) < n or len(keys) % n or len({len(slices[d]) for d in keys}) != 1:
+    return None
+  rows = [[slices[d][i] for d in keys[g * n:(g + 1) * n]]
+          for g in range(len(keys) // n) for i in range(len(slices[keys[0]]))]
+  grid = np.empty((len(rows), n), dtype=object)
+  for s, row in enumerate(rows):
+    for m, d in enumerate(row):
+      grid[s, m] = d
+  return Stripes(k, grid)
+
+
 # ------------------------------------------------------------ device side
 def _words(x: jax.Array) -> jax.Array:
   """A shard's bytes, padded to 4, as uint32 words."""
@@ -166,27 +183,44 @@ def shard_pieces(leaf: int, arr: jax.Array) -> dict[jax.Device, tuple[int, Index
           for d, idx in arr.sharding.devices_indices_map(shape).items()}
 
 
-def encode(st: Stripes, leaves: Sequence[int], arrays: Sequence[jax.Array]
-           ) -> tuple[jax.Array, list[tuple[tuple[int, Index], ...]], int]:
-  """Parity of ``arrays`` (each evenly sharded over every device of the job):
-  (a (devices, L / k / 4) uint32 array whose row on each device is its parity
-  block, in ``st.grid`` order; each device's buffer layout, by position in
-  ``st.grid.flat``; ``L``). Collective."""
-  flat_devices = list(st.grid.flat)
-  sizes, stacked = [], []
+def evenly_sharded(st: Stripes, arr: jax.Array) -> bool:
+  """True if :func:`encode` can carry ``arr``: a NamedSharding over exactly
+  the stripes' devices, with even shards."""
+  s = arr.sharding
+  if not isinstance(s, NamedSharding) or s.device_set != set(st.grid.flat):
+    return False
+  try:
+    s.shard_shape(tuple(arr.shape))
+  except ValueError:
+    return False
+  return True
+
+
+def layout(st: Stripes, leaves: Sequence[int], arrays: Sequence[jax.Array]
+           ) -> tuple[list[tuple[tuple[int, Index], ...]], int]:
+  """(each device's buffer layout, by position in ``st.grid.flat``; ``L``)
+  for ``arrays`` (each :func:`evenly_sharded`)."""
+  sizes = [int(np.prod(a.sharding.shard_shape(tuple(a.shape)))) * np.dtype(a.dtype).itemsize
+           for a in arrays]
   owned = [shard_pieces(i, a) for i, a in zip(leaves, arrays)]
+  return [tuple(o[d] for o in owned) for d in st.grid.flat], member_length(sizes, st.k)
+
+
+def encode(st: Stripes, arrays: Sequence[jax.Array], length: int) -> jax.Array:
+  """The parity blocks of ``arrays`` (laid out as :func:`layout` says): a
+  (devices, L / k / 4) uint32 array whose row on each device is its block.
+  One jitted collective (``psum_scatter`` over the member axis)."""
+  flat_devices = list(st.grid.flat)
+  stacked = []
   for a in arrays:
     shard = tuple(a.sharding.shard_shape(tuple(a.shape))) or (1,)
-    sizes.append(int(np.prod(shard)) * np.dtype(a.dtype).itemsize)
     by_dev = {s.device: (s.data if s.data.ndim else s.data.reshape(1))
               for s in a.addressable_shards}
     stacked.append(jax.make_array_from_single_device_arrays(
         (shard[0] * len(flat_devices), *shard[1:]),
         NamedSharding(st.mesh, P(("stripe", "member"))),
         [by_dev[d] for d in flat_devices if d in by_dev]))
-  length = member_length(sizes, st.k)
-  layouts = [tuple(o[d] for o in owned) for d in flat_devices]
-  return _encode_fn(st.mesh, st.k, length)(*stacked), layouts, length
+  return _encode_fn(st.mesh, st.k, length)(*stacked)
 
 
 # -------------------------------------------------------------- rebuild

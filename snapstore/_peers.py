@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from . import _exchange, _faults, _group, _parity
-from ._assemble import Assembler, BadCopy, build_leaf, full_region
+from ._assemble import Assembler, BadCopy, build_leaf, full_region, what_copy
 from ._index import Index, align, to_slices
 from ._layout import LeafKind, LeafSpec, batches, target_sharding, wants_numpy
 from ._manifest import Manifest
@@ -120,19 +120,14 @@ class Distributed:
         assembler.check_copy(c)
     bad = _exchange.gather_bad(list(assembler.bad))
     if bad:
-      return Assembled(None, {k: f"checksum mismatch in {self._what(plan, k)} "
-                                 f"held by host {k[0]}" for k in bad})
+      return Assembled(None, {k: f"checksum mismatch in "
+                                 f"{what_copy(k, plan.specs[k[2]].path)} held by host {k[0]}"
+                              for k in bad})
     rebuilt = _rebuild(assembler, self._my_piece(assembler),
                        lambda c: assembler.block(c) if c.store == self.host else None,
                        _exchange.sum_words)
     leaves, moved = self._leaves(assembler, target_specs, targets)
     return Assembled(leaves, {}, moved + rebuilt)
-
-  @staticmethod
-  def _what(plan: Any, key: CopyKey) -> str:
-    if key[2] < 0:
-      return f"parity block {key[3]}"
-    return f"leaf {plan.specs[key[2]].path!r}"
 
   def _my_piece(self, assembler: Assembler) -> Callable[[int, Index], np.ndarray | None]:
     """A rebuild's piece source: the pieces this host is the agreed source of."""

@@ -17,6 +17,7 @@ from snapstore import _parity, _planner
 from snapstore._checksum import ChecksumKind
 from snapstore._index import to_slices
 from snapstore._layout import flatten, tree_digest
+from tests.helpers import assert_bitwise_equal
 from snapstore._manifest import (PARITY_LEAF, Manifest, ParityRecord, PieceRecord, decode,
                                  encode)
 
@@ -52,8 +53,8 @@ def test_any_one_member_is_rebuilt_bitwise_from_parity_and_the_others(k):
   mesh = jax.sharding.Mesh(np.array(list(st.grid.flat)), ("x",))
   host, arrays = _state(mesh, seed=k)
   names = sorted(arrays)
-  out, layouts, length = _parity.encode(st, list(range(len(names))),
-                                        [arrays[n] for n in names])
+  layouts, length = _parity.layout(st, list(range(len(names))), [arrays[n] for n in names])
+  out = _parity.encode(st, [arrays[n] for n in names], length)
   assert length % (4 * k) == 0 and out.shape[1] * 4 == length // k
   itemsize = lambda leaf: host[names[leaf]].dtype.itemsize  # noqa: E731
   piece = lambda leaf, idx: np.ascontiguousarray(  # noqa: E731
@@ -86,11 +87,12 @@ def test_groups_must_divide_the_domains():
     SnapshotOptions(redundancy="parity", parity_k=0)
 
 
-def test_parity_is_refused_on_a_single_controller_with_slices(store_dir):
-  from snapstore import SnapshotManager
+def test_parity_with_host_files_on_a_single_controller_is_refused(store_dir):
+  from snapstore import SnapshotManager, StoreKind
   devs = jax.devices()
-  with pytest.raises(ValueError, match="parity"):
-    SnapshotManager(SnapshotOptions(store_dir=store_dir, redundancy="parity"),
+  with pytest.raises(ValueError, match="pinned_host store"):
+    SnapshotManager(SnapshotOptions(store_dir=store_dir, redundancy="parity",
+                                    store=StoreKind.HOST_FILES),
                     slices={0: devs[:4], 1: devs[4:]})
 
 
@@ -152,3 +154,37 @@ def test_the_planner_rebuilds_one_lost_member_and_names_the_group_when_two_are_l
   assert _planner.choose(ms[:1] + ms[2:], bad=bad, reasons=reasons) is None
   assert "parity blocks of hosts [2]" in reasons[0]
   assert _planner.choose(ms).rebuilds == ()  # nothing lost, nothing rebuilt
+
+
+# ---------------------------------------------------------------- single controller
+def test_pinned_store_never_rebuilds_from_a_flipped_byte(store_dir):
+  """4 slices of 2 devices, parity k=3, the pinned-host store; slice 1 is
+  lost. At step 3 slice 2's parity block has a flipped byte, at step 2 slice
+  3's own piece (used by the rebuild, no other copy): step 1 is restored,
+  slice 1's pieces rebuilt, bitwise."""
+  import ctypes
+  from snapstore import SnapshotManager, StoreKind
+  from tests.test_backends import abstract, awkward_state, save_steps
+  devs = jax.devices()
+  s2d = {k: devs[2 * k:2 * k + 2] for k in range(4)}
+  opts = SnapshotOptions(store_dir=store_dir, keep=3, redundancy="parity", parity_k=3,
+                         store=StoreKind.PINNED_HOST)
+  with SnapshotManager(opts, slices=s2d) as mgr:
+    refs = save_steps(mgr, [1, 2, 3])
+
+    def flip(sid, step, pick):
+      store = mgr.backend.stores[sid]
+      (m,) = [m for m in store.manifests() if m.step == step]
+      rec = pick(m)
+      arr = store.array(m.slot, rec.offset)
+      ctypes.c_uint8.from_address(arr.unsafe_buffer_pointer() + rec.nbytes // 2).value ^= 4
+
+    flip(2, 3, lambda m: m.parity[0].piece)
+    flip(3, 2, lambda m: next(p for p in m.pieces
+                              if m.leaves[p.leaf].path == "tp" and p.owner == 3))
+    mgr.forget_domains([1], "slice lost")
+    r = mgr.restore(abstract(awkward_state(devs, 0)))
+  assert r.step == 1 and r.bytes_read["rebuilt"] > 0
+  assert_bitwise_equal(refs[1], r.state)
+  assert any("step 3" in n and "parity block" in n and "slice 2" in n for n in r.notes), r.notes
+  assert any("step 2" in n and "'tp'" in n and "slice 3" in n for n in r.notes), r.notes

@@ -24,14 +24,17 @@ from tests.helpers import assert_bitwise_equal, host_copy
 
 
 @pytest.fixture
-def slices(monkeypatch):
-  """2 virtual slices and a simulator; the health check reports lost slices.
+def slices(monkeypatch, request):
+  """2 virtual slices (or ``request.param``) and a simulator; the health
+  check reports lost slices.
 
   ``lose(k, back_after=n)``: slice k is lost; with ``back_after``, a new slice
   replaces it once ``n`` health checks have seen it down (deterministic, no
   timers)."""
   devs = jax.devices()
-  s2d = {0: devs[:4], 1: devs[4:]}
+  count = getattr(request, "param", 2)
+  per = len(devs) // count
+  s2d = {k: devs[k * per:(k + 1) * per] for k in range(count)}
   lost: dict[int, int | None] = {}  # slice -> health checks left until it is back
   sim = DeviceLossSimulator()
 
@@ -135,6 +138,51 @@ def test_pause_resume_restores_the_lost_step_from_the_cross_slice_copy(slices, s
   assert event.source == "snapshot" and event.restored_step == 5 and event.rewind_steps == 0
   assert meshes == [8, 8]
   assert_bitwise_equal(saved[8], final)
+
+
+@pytest.mark.parametrize("slices", [4], indirect=True)
+def test_parity_rebuilds_a_lost_slice_from_the_other_three(slices, store_dir):
+  """4 virtual slices of 2 devices, parity k=3: slice 1 is lost (its store
+  with it); its shards of the leaf without data-parallel twins are rebuilt
+  from the others' parity blocks and pieces, bitwise."""
+  s2d, lose, _ = slices
+  trainer, saved, meshes, final = run_elastic(
+      store_dir, lose, ElasticOptions(snapshot_redundancy="parity", **FAST))
+  (event,) = trainer.events
+  assert event.lost_slices == (1,) and event.source == "snapshot"
+  assert event.restored_step == 5 and event.bytes_read["rebuilt"] > 0
+  assert meshes == [8, 8]
+  assert_bitwise_equal(saved[8], final)
+
+
+def test_parity_keeps_at_most_0_4x_the_extra_bytes_of_a_replica(store_dir):
+  """Measured from the stores' own arrays: 4 slices, a state whose big leaf
+  has no data-parallel twin; extra = held - held without redundancy."""
+  from snapstore import SnapshotManager
+  devs = jax.devices()
+  s2d = {k: devs[2 * k:2 * k + 2] for k in range(4)}
+  mesh = jax.sharding.Mesh(np.array(devs).reshape(2, 4), ("replica", "model"))
+  state = {  # 64 KiB without a twin (a shard per device), 1 KiB data-parallel
+      "tp": jax.device_put(jnp.arange(64 * 256, dtype=jnp.float32).reshape(64, 256),
+                           NamedSharding(mesh, P(("replica", "model")))),
+      "dp": jax.device_put(jnp.ones((4, 64), jnp.float32), NamedSharding(mesh, P())),
+  }
+  abstract_state = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  held = {}
+  for name, kw in {"none": dict(replicas=0), "replica": dict(replicas=1),
+                   "parity": dict(redundancy="parity", parity_k=3)}.items():
+    with SnapshotManager(SnapshotOptions(store_dir=store_dir, run_id=name, keep=1, **kw),
+                         slices=s2d) as mgr:
+      mgr.save(1, state)
+      mgr.wait_until_finished()
+      held[name] = [mgr.backend.stores[k].held_bytes() for k in sorted(s2d)]
+      restored = mgr.restore(abstract_state)
+      assert_bitwise_equal(host_copy(state), restored.state)
+  for k in range(4):
+    extra_replica = held["replica"][k] - held["none"][k]
+    extra_parity = held["parity"][k] - held["none"][k]
+    assert 0 < extra_parity <= 0.4 * extra_replica, (k, held)
 
 
 def test_replica_resize_continues_on_the_surviving_slice(slices, store_dir):

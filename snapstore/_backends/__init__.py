@@ -45,11 +45,11 @@ def choose(options: SnapshotOptions, *, host: int, num_hosts: int,
   if slices is not None and num_hosts > 1:
     raise ValueError("slices= is for a single controller (one process); with "
                      "jax.distributed each process keeps its own host store")
-  if slices is not None and options.redundancy == "parity":
-    raise ValueError("redundancy='parity' is built for multi-controller jobs (one store per "
-                     "process) in this version; a single controller with slices= keeps "
-                     "full replicas (redundancy='replica')")
   kind = resolve_kind(options.store, slices)
+  if slices is not None and options.redundancy == "parity" and kind is not StoreKind.PINNED_HOST:
+    raise ValueError("redundancy='parity' on a single controller needs the pinned_host "
+                     "store (devices with pinned_host memory); host files with slices= "
+                     "keep full replicas (redundancy='replica')")
   if kind is StoreKind.PINNED_HOST and slices is not None:
     return PinnedHostBackend(options, slices=slices, pool=pool)
   return HostFilesBackend(options, host=host, num_hosts=num_hosts, slices=slices, pool=pool)

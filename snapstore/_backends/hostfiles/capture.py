@@ -128,7 +128,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     if domains is None or replicas == 0:
       continue
     shardings = replica_shardings(arr.sharding, tuple(arr.shape), domains, replicas)
-    if shardings and stripes is not None and ring_permutable(arr):
+    if shardings and stripes is not None and _parity.evenly_sharded(stripes, arr):
       protect.append((i, arr))
     elif shardings:
       owner_of = owners(arr.sharding, tuple(arr.shape))
@@ -143,7 +143,8 @@ def _add_parity(cap: Capture, st: _parity.Stripes, protect: Sequence[tuple[int, 
                 *, host: int, step: int) -> None:
   """Computes the parity of ``protect`` over ``st`` (one collective) and
   adds the blocks this host keeps, one per local device."""
-  out, layouts, length = _parity.encode(st, [i for i, _ in protect], [a for _, a in protect])
+  layouts, length = _parity.layout(st, [i for i, _ in protect], [a for _, a in protect])
+  out = _parity.encode(st, [a for _, a in protect], length)
   _faults.point("replica", step)
   for shard in out.addressable_shards:
     s, j = st.where[shard.device]

@@ -230,6 +230,10 @@ class HostStore:
     self._maps[i] = (mm, arr)
     self._inodes[i] = os.lstat(self._slot_path(i)).st_ino
 
+  def held_bytes(self) -> int:
+    """Bytes of every slot file this store holds now (RAM on a RAM disk)."""
+    return sum(self._slot_sizes().values())
+
   def slot_buffer(self, slot: int) -> np.ndarray:
     """The writable bytes of ``slot`` (reserved by :meth:`reserve`)."""
     if slot not in self._maps:

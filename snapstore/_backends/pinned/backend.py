@@ -28,7 +28,8 @@ from ..._checksum import (ChecksumKind, as_checksum, copy_verified, crc_matches,
                           device_checksum, piece_key, shard_checksums)
 from ..._index import Index, shape_of
 from ..._layout import LeafKind, LeafSpec
-from ..._manifest import Manifest, PieceRecord
+from ... import _parity
+from ..._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceRecord
 from ..._planner import Copy, StepPlan
 from ...options import SnapshotOptions, StoreKind
 from ..base import DomainStores, Header, retain
@@ -90,9 +91,16 @@ class PinnedHostBackend(DomainStores):
         slots[sid] = self.stores[sid].reserve(header.step, n)
 
     live = {k: self._slices[k] for k in self.live()}
+    stripes = None
+    if replicas and self.options.redundancy == "parity":
+      stripes = _parity.slice_stripes(live, self.options.parity_k)
+      if stripes is None:
+        logger.warning("step %d: slices %s do not form groups of %d: full replicas instead "
+                       "of parity", header.step, sorted(live), self.options.parity_k + 1)
     cap = _capture.capture(specs, leaves, slices=live, replicas=replicas,
                            step=header.step, checksum=self.checksum,
-                           chunk_bytes=self.options.chunk_bytes, before_dispatch=make_room)
+                           chunk_bytes=self.options.chunk_bytes, before_dispatch=make_room,
+                           stripes=stripes)
     return _Pending(header, cap, slots)
 
   def drain(self, pending: _Pending) -> int:
@@ -102,12 +110,15 @@ class PinnedHostBackend(DomainStores):
     for sid, slot in pending.slots.items():
       store = self.stores[sid]
       sums = cap.checksums(sid, self._pool)
-      pieces = tuple(PieceRecord(p.leaf, p.index, pos, p.nbytes, ck, owner,
-                                 cap.kinds[(p.leaf, p.index)])
-                     for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums)))
+      records = [PieceRecord(p.leaf, p.index, pos, p.nbytes, ck, owner,
+                             cap.kinds[(p.leaf, p.index)])
+                 for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums))]
+      parity = tuple(ParityRecord(r, *cap.parity[r.index[0]])
+                     for r in records if r.leaf == PARITY_LEAF)
       nbytes += cap.nbytes(sid)
       store.fill(slot, cap.arrays[sid])
-      store.commit(Manifest(pieces=pieces, created=time.time(), host=sid, slot=slot,
+      store.commit(Manifest(pieces=tuple(r for r in records if r.leaf != PARITY_LEAF),
+                            created=time.time(), host=sid, slot=slot, parity=parity,
                             scalars=dict(cap.scalars), **pending.header.fields()))
       retain(store, self.options.keep)
     return nbytes
@@ -118,10 +129,10 @@ class PinnedHostBackend(DomainStores):
 
   def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None, *,
             out: np.ndarray | None = None) -> Stored:
-    spec = plan.specs[copy.record.leaf]
     rec = copy.record
+    path, dtype = plan.path_and_dtype(rec)
     holder = f"slice {copy.store}"
-    key = piece_key(spec.path, rec.index)
+    key = piece_key(path, rec.index)
     try:
       stored = self._stored(copy)
       if isinstance(stored, np.ndarray):
@@ -132,16 +143,16 @@ class PinnedHostBackend(DomainStores):
                             key=key, pool=self._pool if out is None else None, out=out)
         ok = got is not None
         if ok:
-          got = got.view(spec.np_dtype).reshape(shape_of(rec.index))
+          got = got.view(dtype) if rec.leaf < 0 else got.view(dtype).reshape(shape_of(rec.index))
       else:
         got = jax.device_put(stored, SingleDeviceSharding(device or device_of(stored)))
         ok = as_checksum(device_checksum(got)) == tuple(rec.checksum)
     except (RuntimeError, KeyError) as e:  # JaxRuntimeError (slice lost), freed buffers
-      raise BadCopy(copy.key(plan.step), spec.path,
+      raise BadCopy(copy.key(plan.step), path,
                     why=f"unreadable ({str(e).splitlines()[0] if str(e) else e!r})",
                     holder=holder) from e
     if not ok:
-      raise BadCopy(copy.key(plan.step), spec.path, holder=holder)
+      raise BadCopy(copy.key(plan.step), path, holder=holder)
     return got
 
   def check(self, plan: StepPlan, copy: Copy) -> None:

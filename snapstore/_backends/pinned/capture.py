@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from ... import _faults
+from ... import _faults, _parity
 from ..._checksum import (Checksum, ChecksumKind, as_checksum, crc_chunks, device_checksum,
                           piece_key, shard_checksums)
 from ..._index import Index, nbytes as index_nbytes, normalize
@@ -42,6 +42,9 @@ class PinnedCapture:
   sums: dict[tuple[int, Index], Callable[[], Checksum]]
   kinds: dict[tuple[int, Index], ChecksumKind]
   scalars: dict[int, Any]
+  # (stripe, block) of each parity piece -> (members, layout, length)
+  parity: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Any, ...], int]] = \
+      dataclasses.field(default_factory=dict)
 
   def nbytes(self, domain: int) -> int:
     return sum(p.nbytes for p, _ in self.pieces[domain])
@@ -60,11 +63,16 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
             slices: Mapping[int, Sequence[jax.Device]], replicas: int,
             step: int = -1, checksum: ChecksumKind = ChecksumKind.DEVICE_SUM,
             chunk_bytes: int = 16 << 20,
-            before_dispatch: Callable[[dict[int, int]], None] = lambda nbytes: None
-            ) -> PinnedCapture:
+            before_dispatch: Callable[[dict[int, int]], None] = lambda nbytes: None,
+            stripes: _parity.Stripes | None = None) -> PinnedCapture:
   """Dispatches ``pinned_host`` copies of every piece to the domains that keep
   it; returns at once (the copies and checksums complete asynchronously, and
   XLA orders them before any later step that donates the buffers).
+
+  With ``stripes`` (``redundancy="parity"``), a leaf with a piece that no
+  other domain holds is kept by its own domain only, plus the parity blocks
+  of its stripes (:mod:`..._parity`), unless it is not evenly sharded over the
+  stripes' devices: then it gets ``replicas`` full copies as usual.
 
   ``before_dispatch(bytes per domain)`` runs before any memory is taken: it
   may raise (over budget) or evict older snapshots.
@@ -72,6 +80,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   ring = _Ring(slices)
   cap = PinnedCapture({k: [] for k in ring.order}, {k: [] for k in ring.order}, {}, {}, {})
   planned: list[tuple[int, jax.Array, _LeafPlan]] = []
+  protect: list[tuple[int, jax.Array]] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
     if i == len(specs) // 2:
       _faults.point("capture", step)
@@ -89,10 +98,24 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     else:
       arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
       plan = _LeafPlan.of(spec, arr, ring, replicas)
+      if stripes is not None and plan.unique() and _parity.evenly_sharded(stripes, arr):
+        plan = _LeafPlan.of(spec, arr, ring, 0)
+        protect.append((i, arr))
       for (index, d), owner in plan.keep.items():
         cap.pieces[d].append((Piece(i, index, plan.nbytes(index)), owner))
         cap.arrays[d].append(None)  # filled at dispatch
       planned.append((i, arr, plan))
+  length = 0
+  if protect:
+    layouts, length = _parity.layout(stripes, [i for i, _ in protect],
+                                     [a for _, a in protect])
+    for (s, j), device in np.ndenumerate(stripes.grid):
+      d = ring.domain(device)
+      key = (stripes.stripe_id(s), j)
+      cap.pieces[d].append((Piece(_parity.PARITY_LEAF, (key,), length // stripes.k), d))
+      cap.arrays[d].append(None)
+      cap.parity[key] = (tuple(ring.domain(x) for x in stripes.grid[s]),
+                         tuple(layouts[s * stripes.n + m] for m in range(stripes.n)), length)
   before_dispatch({d: cap.nbytes(d) for d in ring.order})
   slot = {(p.leaf, p.index, d): n for d, ps in cap.pieces.items() for n, (p, _) in enumerate(ps)}
   for i, arr, plan in planned:
@@ -109,6 +132,18 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       cap.sums[(i, index)] = (_pending_sum(src, per_shard) if on_device
                               else _host_sum(cap, d, slot[(i, index, d)], chunk_bytes,
                                              piece_key(specs[i].path, index)))
+  if protect:
+    out = _parity.encode(stripes, [a for _, a in protect], length)
+    _faults.point("replica", step)
+    for shard in out.addressable_shards:  # each block to its own device's host RAM
+      s, j = stripes.where[shard.device]
+      d, index = ring.domain(shard.device), ((stripes.stripe_id(s), j),)
+      at = slot[(_parity.PARITY_LEAF, index, d)]
+      cap.arrays[d][at] = jax.device_put(shard.data, _pinned_on(shard.device))
+      cap.kinds[(_parity.PARITY_LEAF, index)] = checksum
+      cap.sums[(_parity.PARITY_LEAF, index)] = (
+          _pending_sum(shard.data, None) if checksum is ChecksumKind.DEVICE_SUM
+          else _host_sum(cap, d, at, chunk_bytes, piece_key(_parity.PARITY_PATH, index)))
   return cap
 
 
@@ -153,6 +188,10 @@ class _LeafPlan:
 
   def nbytes(self, index: Index) -> int:
     return index_nbytes(index, self.itemsize)
+
+  def unique(self) -> bool:
+    """True if some piece is held by one domain only (no data-parallel twin)."""
+    return any(len(by_domain) < 2 for by_domain in self.holders.values())
 
   def dispatch(self, arr: jax.Array, ring: _Ring) -> dict[tuple[Index, int], jax.Array]:
     """Starts the copies: whole-array ``device_put``s where the sharding

@@ -67,6 +67,10 @@ class PinnedHostStore:
   def fill(self, slot: int, arrays: list[Stored]) -> None:
     self._slots[slot] = arrays
 
+  def held_bytes(self) -> int:
+    """Bytes of every array this store holds now (all slots)."""
+    return sum(a.nbytes for arrays in self._slots.values() for a in arrays if a is not None)
+
   def array(self, slot: int, position: int) -> Stored:
     return self._slots[slot][position]
 
