@@ -7,6 +7,53 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
+
+
+class Job:
+  """The benchmarks' multi-host job: ``mb`` MB of float32 leaves (16 MB
+  each) sharded over every device; a step touches every byte and is padded
+  to ``step_s`` with a sleep (the accelerator computing while the host's
+  cores are free, so a snapshot's copy may use them)."""
+
+  def __init__(self, mb: int, steps: int, step_s: float):
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+    mesh = jax.make_mesh((jax.device_count(),), ("d",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, P("d"))
+    leaf = 4 << 20
+    n = max(1, (mb << 20) // (leaf * 4))
+    size = min(leaf, (mb << 20) // 4)
+    make = jax.jit(lambda k: jax.random.normal(k, (size,), jnp.float32),
+                   out_shardings=sharding)
+    self.state = {f"w{i}": make(jax.random.key(i)) for i in range(n)}
+    self.abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), self.state)
+    self.state_mb = n * size * 4 / 2**20
+    self._step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.999 + 0.001, s),
+                            donate_argnums=0)
+    self.steps, self.step_s, self.step = steps, step_s, 0
+
+  def block(self, mgr: Any) -> float:
+    """Seconds a step over ``steps`` steps, each saved to ``mgr`` (None: not saved)."""
+    import jax  # noqa: PLC0415
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    multihost_utils.sync_global_devices("block")
+    t = time.perf_counter()
+    for _ in range(self.steps):
+      self.step += 1
+      t_step = time.perf_counter()
+      self.state = self._step_fn(self.state)
+      jax.block_until_ready(self.state)
+      time.sleep(max(0.0, self.step_s - (time.perf_counter() - t_step)))
+      if mgr is not None:
+        mgr.save(self.step, self.state)
+    jax.block_until_ready(self.state)
+    if mgr is not None:
+      mgr.wait_until_finished()
+    return (time.perf_counter() - t) / self.steps
 
 
 def main() -> int:
@@ -25,53 +72,24 @@ def main() -> int:
   from snapstore.launch import init_from_env  # noqa: PLC0415
   host, num_hosts, _ = init_from_env()
   import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   from jax.experimental import multihost_utils  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
 
   import snapstore  # noqa: PLC0415
   from snapstore._layout import flatten  # noqa: PLC0415
 
-  mesh = jax.make_mesh((jax.device_count(),), ("d",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  sharding = NamedSharding(mesh, P("d"))
-  leaf = 4 << 20  # 16 MB float32 leaves, sharded over every device
-  n = max(1, (a.mb << 20) // (leaf * 4))
-  size = min(leaf, (a.mb << 20) // 4)
-  make = jax.jit(lambda k: jax.random.normal(k, (size,), jnp.float32), out_shardings=sharding)
-  state = {f"w{i}": make(jax.random.key(i)) for i in range(n)}
-  step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.999 + 0.001, s), donate_argnums=0)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                          state)
+  job = Job(a.mb, a.steps, a.step_s)
+  abstract = job.abstract
   opts = snapstore.SnapshotOptions(store_dir=a.store, run_id="mh", keep=1,
                                    replicas=a.replicas, hosts_per_domain=num_hosts // 2)
-  report: dict = {"hosts": num_hosts, "state_mb": n * size * 4 / 2**20}
-  step = 0
+  report: dict = {"hosts": num_hosts, "state_mb": job.state_mb}
   with snapstore.SnapshotManager(opts) as mgr:
-    def block(snap: bool) -> float:
-      nonlocal state, step
-      multihost_utils.sync_global_devices("block")
-      t = time.perf_counter()
-      for _ in range(a.steps):
-        step += 1
-        t_step = time.perf_counter()
-        state = step_fn(state)
-        jax.block_until_ready(state)
-        # The rest of the step: the accelerator computing while the host's
-        # cores are free (a sleep, so the snapshot's copy may use them).
-        time.sleep(max(0.0, a.step_s - (time.perf_counter() - t_step)))
-        if snap:
-          mgr.save(step, state)
-      jax.block_until_ready(state)
-      mgr.wait_until_finished()
-      return (time.perf_counter() - t) / a.steps
-
-    block(True)  # compile, allocate slots
+    job.block(mgr)  # compile, allocate slots
     best = {"none": float("inf"), "snap": float("inf")}
     for _ in range(a.rounds):
       for key in best:
-        best[key] = min(best[key], block(key == "snap"))
+        best[key] = min(best[key], job.block(mgr if key == "snap" else None))
+    step, state = job.step, job.state
     report.update(step_s_none=best["none"], step_s_snapshot=best["snap"],
                   step_ratio=best["snap"] / best["none"])
     newest = mgr.backend.manifests()[-1]

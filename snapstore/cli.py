@@ -1,4 +1,4 @@
-"""The snapstore command line: ``demo``, ``launch``, ``inspect``, ``bench``.
+"""The snapstore command line: ``demo``, ``launch``, ``inspect``, ``plan``, ``bench``.
 
 Plain-text output; ``demo`` (the ``[demo]`` extra) draws with rich. The
 library itself never configures logging: this does.
@@ -36,6 +36,34 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"snapstore inspect: cannot read {args.store}: {e}", file=sys.stderr)
     return 1
   print(json.dumps(report, indent=2))
+  return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+  from .plan import from_size  # noqa: PLC0415
+  state = int(args.params * args.bytes_per_param)
+  try:
+    plans = from_size(state, hosts=args.hosts, hosts_per_domain=args.hosts_per_domain,
+                      data_parallel=args.data_parallel, keep=args.keep)
+  except ValueError as e:
+    print(f"snapstore plan: {e}", file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps({"state_bytes": state, "hosts": args.hosts, "keep": args.keep,
+                      "ram_bytes": int(args.ram_gb * 1e9),
+                      "plans": [p.as_dict() for p in plans]}, indent=2))
+    return 0
+  gb = lambda n: f"{n / 1e9:,.2f}"  # noqa: E731
+  ram = args.ram_gb * 1e9
+  rows = [[p.option, gb(p.own), gb(p.extra) if p.possible else "n/a", p.snapshots,
+           gb(p.total) if p.possible else "n/a",
+           f"{p.total / ram:.0%}" if p.possible else "-"] for p in plans]
+  print(_table(f"snapstore plan: {args.params:.3g} params x {args.bytes_per_param:g} B "
+               f"= {gb(state)} GB over {args.hosts} hosts (domains of {args.hosts_per_domain}, "
+               f"{args.data_parallel} data-parallel cop{'y' if args.data_parallel == 1 else 'ies'}"
+               f"), keep={args.keep}; GB per host",
+               ["redundancy", "own/snapshot", "extra/snapshot", "snapshots held",
+                "total", f"of {args.ram_gb:g} GB RAM"], rows))
   return 0
 
 
@@ -158,6 +186,21 @@ def main(argv: Sequence[str] | None = None) -> int:
   la.add_argument("--json", default=None, help="write the incarnation report here")
   la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
   la.set_defaults(fn=_launch)
+  pl = sub.add_parser("plan", help="host RAM per redundancy option (replicas, parity) "
+                      "for a state of a given size, before a run")
+  pl.add_argument("--params", type=float, required=True, help="parameters, e.g. 175e9")
+  pl.add_argument("--bytes-per-param", type=float, default=14.0,
+                  help="train-state bytes per parameter (bf16 params + fp32 master and "
+                  "two Adam moments: 14)")
+  pl.add_argument("--hosts", type=int, required=True)
+  pl.add_argument("--hosts-per-domain", type=int, default=1)
+  pl.add_argument("--data-parallel", type=int, default=1,
+                  help="full copies of the state across failure domains (their pieces "
+                  "need no extra bytes)")
+  pl.add_argument("--keep", type=int, default=2)
+  pl.add_argument("--ram-gb", type=float, default=448.0, help="host RAM (TPU v5p: 448)")
+  pl.add_argument("--json", action="store_true")
+  pl.set_defaults(fn=_plan)
   b = sub.add_parser("bench", help="run benchmarks/NAME.py (from the repository root)")
   b.add_argument("name")
   b.add_argument("rest", nargs=argparse.REMAINDER)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks import (capture, checksum, demo_overhead, goodput, multihost, overhead, restore,
-                        rewind, soak, vs_orbax, vs_orbax_snapshotter)
+from benchmarks import (capture, checksum, demo_overhead, goodput, multihost, overhead, parity,
+                        restore, rewind, soak, vs_orbax, vs_orbax_snapshotter)
 
 pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 
@@ -79,6 +79,24 @@ def test_multihost_benchmark_smoke(tmp_path):
   assert result["hosts"] == 4
   _positive(result["step_ratio"], result["orbax_local_vs_ram"], result["orbax_gcs_vs_ram"],
             result["replica_bytes_per_step"])
+
+
+def test_parity_benchmark_keeps_a_third_of_the_replica_bytes_and_restores_bitwise(tmp_path):
+  """Measured from the 4 hosts' stores: parity k=3 keeps <= 0.4x the extra
+  bytes of replicas=1; a wiped host is restored at the newest step, bitwise,
+  from replicas and from a parity rebuild."""
+  result = _run(parity, ["--mb", "8", "--steps", "2", "--rounds", "1", "--repeats", "1",
+                         "--step-s", "0.05"], tmp_path / "p.json")
+  assert 0 < result["extra_parity_vs_replica"] <= 0.4
+  for mode in ("replica", "parity"):
+    r = result[mode]
+    assert r["bitwise_equal"] and r["restored_step"] == r["newest_step"], (mode, r)
+    _positive(r["ram_bytes_per_host_max"], r["bytes_moved_per_snapshot"],
+              r["restore_lost_host_s"])
+  assert result["parity"]["bytes_rebuilt"] > 0 and result["replica"]["bytes_rebuilt"] == 0
+  assert result["parity"]["ram_bytes_per_host_max"] < result["replica"]["ram_bytes_per_host_max"]
+  plans = {p["option"]: p for p in result["v5p_plan"]["plans"]}
+  assert plans["parity k=3"]["extra"] * 3 == pytest.approx(plans["replicas=1"]["extra"], rel=1e-6)
 
 
 def test_goodput_presets_and_curves(tmp_path):
