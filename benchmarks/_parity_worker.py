@@ -72,6 +72,25 @@ def main() -> int:
   report["extra_parity_vs_replica"] = (report["parity"]["extra_bytes_per_host_max"]
                                        / report["replica"]["extra_bytes_per_host_max"])
 
+  # The parity kept (a sum modulo 2**32 around a ring of permutes) against
+  # the classic XOR on the same ring, and the sum as one psum_scatter.
+  from snapstore import _parity  # noqa: PLC0415
+  st = mgrs["parity"].backend._stripes()
+  arrays = list(job.state.values())
+  _, length = _parity.layout(st, list(range(len(arrays))), arrays)
+  for op in _parity.OPS:
+    jax.block_until_ready(_parity.encode(st, arrays, length, op=op))  # compile
+    times = []
+    for r in range(5):
+      multihost_utils.sync_global_devices(f"encode-{op}-{r}")
+      t = time.perf_counter()
+      jax.block_until_ready(_parity.encode(st, arrays, length, op=op))
+      times.append(time.perf_counter() - t)
+    report[f"encode_{op}_s"] = statistics.median(times)
+  report["encode_xor_vs_sum"] = report["encode_xor_s"] / report["encode_sum_s"]
+  report["encode_reduce_scatter_vs_ring"] = (report["encode_sum_reduce_scatter_s"]
+                                             / report["encode_sum_s"])
+
   # A lost host: host 1's store is wiped (a replacement with empty RAM), and
   # every host restores the newest step; its pieces come from replicas, or
   # are rebuilt from parity.

@@ -14,9 +14,10 @@ Losing member ``x``: its sub-block ``s`` is in ``P_j``, ``j = (x + s + 1) mod
 survivors' sub-blocks in P_j``. Each domain keeps ``1 / k`` of its own bytes
 extra, instead of the full copy a replica costs.
 
-Both directions are sums: the parity is one jitted ``psum_scatter`` over the
-member axis of a (stripe, member) mesh (XLA carries the bytes, as it does for
-replicas); a rebuild is one sum over hosts (:func:`._exchange.sum_words`)
+Both directions are sums: the parity is ``k`` jitted collective permutes
+around each group on a (stripe, member) mesh, each member adding what it
+receives (XLA carries the bytes, as it does for replicas; each device sends
+``L`` bytes, what a replica sends); a rebuild is one sum over hosts (:func:`._exchange.sum_words`)
 where each survivor contributes its words negated, or plain numpy where one
 process holds every store.
 """
@@ -37,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ._index import Index, nbytes as index_nbytes, normalize
 from ._manifest import PARITY_LEAF
 
-__all__ = ["PARITY_LEAF", "PARITY_PATH", "Layout", "Stripes", "contribution", "encode",
+__all__ = ["OPS", "PARITY_LEAF", "PARITY_PATH", "Layout", "Stripes", "contribution", "encode",
            "evenly_sharded", "groups_error", "layout", "slice_stripes", "split", "stripes"]
 
 #: What a parity block's crc32c is seeded with (with its (stripe, block)).
@@ -157,8 +158,17 @@ def _words(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(b.reshape(-1, 4), jnp.uint32)
 
 
+#: How :func:`encode` may compute the parity (``benchmarks.parity`` times each):
+#: ``"sum"`` (kept): ``k`` collective permutes around the group, each member
+#: adding what it receives (member ``d`` sends sub-block ``r - 1`` to member
+#: ``d + r`` in round ``r``, so no data-dependent gather); ``"xor"``: the same
+#: ring with XOR; ``"sum_reduce_scatter"``: one ``psum_scatter`` of a
+#: ``(k + 1)``-block contribution.
+OPS = ("sum", "xor", "sum_reduce_scatter")
+
+
 @functools.lru_cache(maxsize=32)
-def _encode_fn(mesh: Mesh, k: int, length: int) -> Any:
+def _encode_fn(mesh: Mesh, k: int, length: int, op: str = "sum") -> Any:
   n, words = k + 1, length // 4
   axes = ("stripe", "member")
 
@@ -166,12 +176,20 @@ def _encode_fn(mesh: Mesh, k: int, length: int) -> Any:
     flat = jnp.concatenate([_words(x) for x in xs])
     flat = jnp.concatenate([flat, jnp.zeros(words - flat.size, jnp.uint32)])
     subs = flat.reshape(k, words // k)
-    d = jax.lax.axis_index("member")
-    j = jnp.arange(n)
-    s = jnp.minimum((j - d - 1) % n, k - 1)
-    contrib = jnp.where((j != d)[:, None], subs[s], jnp.uint32(0))
-    return jax.lax.psum_scatter(contrib, "member", scatter_dimension=0, tiled=True)
+    if op == "sum_reduce_scatter":
+      d = jax.lax.axis_index("member")
+      j = jnp.arange(n)
+      s = jnp.minimum((j - d - 1) % n, k - 1)
+      contrib = jnp.where((j != d)[:, None], subs[s], jnp.uint32(0))
+      return jax.lax.psum_scatter(contrib, "member", scatter_dimension=0, tiled=True)
+    acc = jnp.zeros((words // k,), jnp.uint32)
+    for r in range(1, n):  # sub_block(d + r, d, n) == r - 1 for every d
+      got = jax.lax.ppermute(subs[r - 1], "member", [(m, (m + r) % n) for m in range(n)])
+      acc = acc ^ got if op == "xor" else acc + got
+    return acc[None]
 
+  if op not in OPS:
+    raise ValueError(f"op is one of {OPS}, got {op!r}")
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
                                check_vma=False))
 
@@ -206,10 +224,11 @@ def layout(st: Stripes, leaves: Sequence[int], arrays: Sequence[jax.Array]
   return [tuple(o[d] for o in owned) for d in st.grid.flat], member_length(sizes, st.k)
 
 
-def encode(st: Stripes, arrays: Sequence[jax.Array], length: int) -> jax.Array:
+def encode(st: Stripes, arrays: Sequence[jax.Array], length: int, *, op: str = "sum"
+           ) -> jax.Array:
   """The parity blocks of ``arrays`` (laid out as :func:`layout` says): a
   (devices, L / k / 4) uint32 array whose row on each device is its block.
-  One jitted collective (``psum_scatter`` over the member axis)."""
+  One jitted program (``op``: see :data:`OPS`); collective."""
   flat_devices = list(st.grid.flat)
   stacked = []
   for a in arrays:
@@ -220,7 +239,7 @@ def encode(st: Stripes, arrays: Sequence[jax.Array], length: int) -> jax.Array:
         (shard[0] * len(flat_devices), *shard[1:]),
         NamedSharding(st.mesh, P(("stripe", "member"))),
         [by_dev[d] for d in flat_devices if d in by_dev]))
-  return _encode_fn(st.mesh, st.k, length)(*stacked)
+  return _encode_fn(st.mesh, st.k, length, op)(*stacked)
 
 
 # -------------------------------------------------------------- rebuild

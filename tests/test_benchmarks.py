@@ -94,6 +94,7 @@ def test_parity_benchmark_keeps_a_third_of_the_replica_bytes_and_restores_bitwis
     _positive(r["ram_bytes_per_host_max"], r["bytes_moved_per_snapshot"],
               r["restore_lost_host_s"])
   assert result["parity"]["bytes_rebuilt"] > 0 and result["replica"]["bytes_rebuilt"] == 0
+  _positive(result["encode_sum_s"], result["encode_xor_vs_sum"])
   assert result["parity"]["ram_bytes_per_host_max"] < result["replica"]["ram_bytes_per_host_max"]
   plans = {p["option"]: p for p in result["v5p_plan"]["plans"]}
   assert plans["parity k=3"]["extra"] * 3 == pytest.approx(plans["replicas=1"]["extra"], rel=1e-6)

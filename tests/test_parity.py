@@ -56,6 +56,8 @@ def test_any_one_member_is_rebuilt_bitwise_from_parity_and_the_others(k):
   layouts, length = _parity.layout(st, list(range(len(names))), [arrays[n] for n in names])
   out = _parity.encode(st, [arrays[n] for n in names], length)
   assert length % (4 * k) == 0 and out.shape[1] * 4 == length // k
+  other = _parity.encode(st, [arrays[n] for n in names], length, op="sum_reduce_scatter")
+  np.testing.assert_array_equal(np.asarray(other), np.asarray(out))  # two ways, one parity
   itemsize = lambda leaf: host[names[leaf]].dtype.itemsize  # noqa: E731
   piece = lambda leaf, idx: np.ascontiguousarray(  # noqa: E731
       host[names[leaf]][to_slices(idx)]).reshape(-1).view(np.uint8)
@@ -188,3 +190,26 @@ def test_pinned_store_never_rebuilds_from_a_flipped_byte(store_dir):
   assert_bitwise_equal(refs[1], r.state)
   assert any("step 3" in n and "parity block" in n and "slice 2" in n for n in r.notes), r.notes
   assert any("step 2" in n and "'tp'" in n and "slice 3" in n for n in r.notes), r.notes
+
+
+def test_the_xor_variant_benchmarked_beside_the_sum_is_the_classic_parity():
+  st = _stripes(3)
+  mesh = jax.sharding.Mesh(np.array(list(st.grid.flat)), ("x",))
+  host, arrays = _state(mesh, seed=7)
+  names = sorted(arrays)
+  layouts, length = _parity.layout(st, list(range(len(names))), [arrays[n] for n in names])
+  out = _parity.encode(st, [arrays[n] for n in names], length, op="xor")
+  itemsize = lambda leaf: host[names[leaf]].dtype.itemsize  # noqa: E731
+  for shard in out.addressable_shards:
+    s, j = st.where[shard.device]
+    layout = _parity.Layout(tuple(range(4)), tuple(layouts[s * 4 + m] for m in range(4)), length)
+    want = np.zeros(length // 12, np.uint32)
+    for d in range(4):
+      if d != j:
+        buf = np.zeros(length, np.uint8)
+        for leaf, idx, at, nb in layout.offsets(d, itemsize):
+          buf[at:at + nb] = np.ascontiguousarray(host[names[leaf]][to_slices(idx)]).reshape(
+              -1).view(np.uint8)
+        sub = _parity.sub_block(j, d, 4)
+        want ^= buf.view(np.uint32)[sub * (length // 12):(sub + 1) * (length // 12)]
+    np.testing.assert_array_equal(np.asarray(shard.data).reshape(-1), want)
