@@ -244,9 +244,10 @@ def check(rewind_results: dict[str, Any], delay: tuple[float, float] = (0.0, 0.0
   uniformly random kill step (what a long run converges to)."""
   rows = []
   for case in rewind_results["cases"]:
-    c, kills = case["checkpoint_interval"], case["kill_steps"]
+    c = case["checkpoint_interval"]
     for mode in ("without", "with"):
       m = case[mode]
+      kills = m.get("kill_steps", case["kill_steps"])
       # The commit lag varies from checkpoint to checkpoint: average the model
       # over the lags the run observed.
       lags = [lag * m["step_s"] for lag in m["ckpt_commit_steps_each"].values()]

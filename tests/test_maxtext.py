@@ -10,6 +10,7 @@ Needs MaxText (Python >= 3.12, ``pip install --no-deps -r
 requirements/maxtext-0.2.5-cpu.txt``); skipped without it.
 """
 
+import json
 import random
 import subprocess
 import sys
@@ -70,18 +71,34 @@ def check_resumed(run, reference, *, source, step):
   return r
 
 
-def test_killed_maxtext_resumes_from_a_ram_snapshot_one_step_back(
+def test_killed_maxtext_resumes_one_step_back_then_a_newer_maxtext_checkpoint_wins(
     reference, tmp_path, cache_dir):
+  """One job, two kills. Host 1 dies after step KILL trained, before its
+  snapshot: the newest complete snapshot, one step back, is restored. The
+  next incarnation dies right after MaxText's own checkpoint of a period
+  step, before that step's snapshot: its Orbax step is one newer than the
+  newest snapshot, and MaxText's restore is used (and reported, not the
+  snapshot read before the comparison). Every loss after each restore and
+  the final state equal the reference's bitwise."""
+  newer = STEPS // PERIOD * PERIOD
+  assert KILL < newer < STEPS - 1
   run = Run(tmp_path, cache_dir, "snap", snapshots=True).run(
-      [Kill(host=1, step=KILL, phase="step")])
-  # Killed after step KILL trained, before its snapshot: the newest
-  # complete snapshot is step KILL - 1, one step back.
-  r = check_resumed(run, reference, source="snapshot", step=KILL - 1)
-  assert r["rewind_steps"] <= 1
-  # The restored state equals the reference's state at that step, bitwise
-  # (the reference digests its restores only; the first loss after the
-  # restore is a function of that state and the step's batch).
-  assert run.report["losses"][str(KILL)] == reference.report["losses"][str(KILL)]
+      [Kill(host=1, step=KILL, phase="step"),
+       Kill(host=1, step=newer, phase="step", incarnation=1)])
+  assert [i.killed for i in run.incs] == [[1], [1], []] and run.incs[-1].ok
+  first = json.loads((tmp_path / "snap" / "maxtext-inc1-host0.json").read_text())
+  r = first["restores"][-1]
+  assert r["source"] == "snapshot" and r["step"] == KILL - 1 and r["rewind_steps"] <= 1, r
+  for s in range(KILL, newer + 1):  # a function of the restored state and the batches
+    assert first["losses"][str(s)] == reference.report["losses"][str(s)], s
+  r = run.report["restores"][-1]
+  assert r["source"] == "maxtext" and r["step"] == newer, r
+  assert f"Orbax step {newer} is newer than snapshot step {newer - 1}" in r["why"]
+  assert run.incs[-1].restore["source"] == "maxtext"
+  for s in range(newer + 1, STEPS):
+    assert run.report["losses"][str(s)] == reference.report["losses"][str(s)], s
+  final = str(STEPS - 1)
+  assert run.incs[-1].digests[final] == reference.incs[0].digests[final]
 
 
 def test_snapshots_off_resumes_from_maxtexts_orbax_checkpoint(reference, tmp_path, cache_dir):
@@ -91,20 +108,6 @@ def test_snapshots_off_resumes_from_maxtexts_orbax_checkpoint(reference, tmp_pat
   assert KILL - orbax_step >= 1
   r = check_resumed(run, reference, source="maxtext", step=orbax_step)
   assert "snapshots are off" in r["why"]
-
-
-def test_a_newer_maxtext_checkpoint_wins_over_an_older_snapshot(reference, tmp_path, cache_dir):
-  """Killed right after MaxText's own checkpoint of a period step, before
-  that step's snapshot: its Orbax step is one newer than the newest
-  snapshot, and MaxText's restore is used (and reported, not the snapshot
-  read before the comparison)."""
-  kill = STEPS // PERIOD * PERIOD
-  assert PERIOD < kill < STEPS - 1
-  run = Run(tmp_path, cache_dir, "newer", snapshots=True).run(
-      [Kill(host=1, step=kill, phase="step")])
-  r = check_resumed(run, reference, source="maxtext", step=kill)
-  assert f"Orbax step {kill} is newer than snapshot step {kill - 1}" in r["why"]
-  assert run.incs[-1].restore["source"] == "maxtext"
 
 
 def test_grain_data_resumes_where_the_snapshot_left_its_iterator(tmp_path, cache_dir):

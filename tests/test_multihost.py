@@ -78,19 +78,24 @@ def check_resumed(report, reference, *, lo, hi, source="snapshot"):
   return r
 
 
-def test_killed_host_replaced_with_empty_store_restores_from_replicas(
+def test_killed_hosts_replaced_with_empty_stores_restore_from_replicas(
     reference, tmp_path, cache_dir):
+  """4 domains of one host, replicas=2: hosts 0 and 1 die together at a
+  seeded step, their stores with them; host 0's shards survive on hosts 1
+  and 2 (host 2's copy), host 1's on hosts 2 and 3."""
   kill_step = random.Random(1234).randint(5, STEPS - 1)
   job = Job(tmp_path, cache_dir, "kill").run(
-      [Kill(host=1, step=kill_step, lose_store=True)], args=["--hosts-per-domain", "2"])
-  assert [i.killed for i in job.incs] == [[1], []]
+      [Kill(host=0, step=kill_step, lose_store=True),
+       Kill(host=1, step=kill_step, lose_store=True)],
+      args=["--hosts-per-domain", "1", "--replicas", "2"])
+  assert [sorted(i.killed) for i in job.incs] == [[0, 1], []]
   assert job.incs[-1].ok
   # PROGRESS said step kill_step was being saved: its snapshot may or may not
   # have completed; the restore is at most one step behind.
   r = check_resumed(job.report, reference, lo=kill_step - 1, hi=kill_step)
   assert r["rewind_steps"] <= 1
   assert job.incs[-1].restore["step"] == r["step"]  # the supervisor's report
-  assert r["bytes_read"]["exchanged"] > 0  # host 1's shards came over the wire
+  assert r["bytes_read"]["exchanged"] > 0  # the lost hosts' shards came over the wire
 
 
 def test_job_shrinks_to_the_surviving_domain(reference, tmp_path, cache_dir):
@@ -112,17 +117,21 @@ def test_job_shrinks_to_the_surviving_domain(reference, tmp_path, cache_dir):
                              [reference["losses"][str(s)] for s in later], rtol=1e-5)
 
 
-def test_kills_inside_a_snapshot_never_restore_a_partial_one(reference, tmp_path, cache_dir):
-  """Host 1 dies inside a snapshot three times, one job: in its capture (step
-  2), its replica transfer (step 4), after its data and temp manifest are
-  written (step 6). Each restart restores a complete step, never a partial
-  one, bitwise equal to the reference."""
+def test_kills_inside_a_snapshot_or_a_restore_never_restore_a_partial_one(
+    reference, tmp_path, cache_dir):
+  """One job, four kills: host 1 dies inside a snapshot three times, in its
+  capture (step 2), its replica transfer (step 4), after its data and temp
+  manifest are written (step 6); then host 2 dies inside the restore that
+  follows. Each restart restores a complete step, never a partial one,
+  bitwise equal to the reference; the interrupted restore deleted nothing
+  (the retry picks the same step)."""
   phases = [("capture", 2), ("replica", 4), ("manifest", 6)]
   job = Job(tmp_path, cache_dir, "phases").run(
-      [Kill(host=1, step=s, phase=ph, incarnation=i) for i, (ph, s) in enumerate(phases)],
-      args=["--hosts-per-domain", "2"], max_incarnations=4)
-  assert [i.killed for i in job.incs] == [[1], [1], [1], []]
-  for i, (phase, step) in enumerate(phases, start=1):
+      [Kill(host=1, step=s, phase=ph, incarnation=i) for i, (ph, s) in enumerate(phases)]
+      + [Kill(host=2, step=-1, phase="restore", incarnation=3)],
+      args=["--hosts-per-domain", "2"], max_incarnations=5)
+  assert [i.killed for i in job.incs] == [[1], [1], [1], [2], []]
+  for i, (phase, step) in zip((1, 2, 4), phases):  # incarnation 3's restore was cut short
     report = json.loads((job.out / f"inc{i}-host0.json").read_text())
     r = report["restore"]
     assert r["source"] == "snapshot", (phase, r)
@@ -132,19 +141,11 @@ def test_kills_inside_a_snapshot_never_restore_a_partial_one(reference, tmp_path
     # host 1's shards before the job was torn down. Never a partial step.
     assert step - 1 <= r["step"] <= (step - 1 if phase == "capture" else step), (phase, r)
     assert report["digests"][str(r["step"])] == reference["digests"][str(r["step"])], phase
-  check_resumed(job.report, reference, lo=5, hi=6)
-
-
-def test_kill_during_restore_then_restore_again(reference, tmp_path, cache_dir):
-  job = Job(tmp_path, cache_dir, "restore").run(
-      [Kill(host=1, step=5), Kill(host=2, step=-1, incarnation=1, phase="restore")],
-      args=["--hosts-per-domain", "2"])
-  assert [i.killed for i in job.incs] == [[1], [2], []]
-  r = check_resumed(job.report, reference, lo=4, hi=5)
-  # The interrupted restore deleted nothing: the retry picks the same step
-  # (host 0 may have finished its part, and reported, before host 2 died).
-  if job.incs[1].restore is not None:
-    assert job.incs[1].restore["step"] == r["step"]
+  r = check_resumed(job.report, reference, lo=5, hi=6)
+  # host 0 may have finished its part of the interrupted restore, and
+  # reported, before host 2 died.
+  if job.incs[3].restore is not None:
+    assert job.incs[3].restore["step"] == r["step"]
 
 
 def test_two_lost_hosts_of_a_parity_group_fall_back_to_orbax_naming_the_group(
@@ -198,16 +199,6 @@ def test_parity_rebuilds_a_lost_host_and_never_uses_a_flipped_byte(
   assert any("parity block" in n and f"host {bad_block}" in n for n in r["notes"]), r["notes"]
   assert any("checksum mismatch in leaf" in n and f"host {bad_piece}" in n
              for n in r["notes"]), r["notes"]
-
-
-def test_two_replicas_survive_two_lost_domains(reference, tmp_path, cache_dir):
-  """4 domains of one host, replicas=2: hosts 0 and 1 die with their stores;
-  host 0's shards survive on host 2, host 1's on host 3."""
-  job = Job(tmp_path, cache_dir, "rep2").run(
-      [Kill(host=0, step=5, lose_store=True), Kill(host=1, step=5, lose_store=True)],
-      args=["--hosts-per-domain", "1", "--replicas", "2"])
-  assert sorted(job.incs[0].killed) == [0, 1]
-  check_resumed(job.report, reference, lo=4, hi=5)
 
 
 def _manifests(store, host):
@@ -287,27 +278,20 @@ def check_in_place(job, reference, *, replaced, restores):
   return job.incs[0].restores
 
 
-def test_in_place_heal_survivors_keep_running(reference, tmp_path, cache_dir):
-  # Three steps per live() block: the kill lands inside one, whose finished
-  # steps' snapshots still bound the rewind to one step.
-  kill_step = random.Random(11).randint(4, STEPS - 1)
-  job = Job(tmp_path, cache_dir, "heal").run(
-      [Kill(host=1, step=kill_step, lose_store=True)],
-      args=["--hosts-per-domain", "2", "--live-every", "3"], in_place=True)
-  restores = check_in_place(job, reference, replaced=[1], restores=1)
-  assert restores[0]["bytes_read"]["exchanged"] > 0  # host 1's shards came from peers
-
-
-def test_in_place_survives_losing_process_0_and_a_second_death_during_recovery(
+def test_in_place_heal_survives_losing_process_0_and_a_second_death_during_recovery(
     reference, tmp_path, cache_dir):
-  """Process 0 dies (the supervisor hosts the coordination service, so the
-  others live on), then host 3 dies inside the restore that heals it: the
-  job heals twice and ends bitwise equal, never on a partial state."""
+  """Process 0 dies with its store (the supervisor hosts the coordination
+  service, so the others live on), then host 3 dies inside the restore that
+  heals it: the survivors keep their processes, the job heals twice and ends
+  bitwise equal, never on a partial state; the replacement's shards came
+  from its peers. Three steps per live() block: the kill lands inside one,
+  whose finished steps' snapshots still bound the rewind to one step."""
   job = Job(tmp_path, cache_dir, "twice").run(
       [Kill(host=0, step=random.Random(12).randint(4, STEPS - 1), lose_store=True),
        Kill(host=3, step=-1, phase="restore")],
-      args=["--hosts-per-domain", "2"], in_place=True)
-  check_in_place(job, reference, replaced=[0, 3], restores=1)
+      args=["--hosts-per-domain", "2", "--live-every", "3"], in_place=True)
+  restores = check_in_place(job, reference, replaced=[0, 3], restores=1)
+  assert restores[0]["bytes_read"]["exchanged"] > 0
 
 
 def test_losing_process_0_that_hosts_the_service_falls_back_to_a_full_restart(
