@@ -15,6 +15,7 @@ from . import _planner
 from ._backends.hostfiles.store import open_regular, scan
 from ._checksum import ChecksumKind, crc_matches, piece_key
 from ._manifest import Manifest
+from ._parity import PARITY_PATH
 
 _HOST_RE = re.compile(r"^host-(\d+)$")
 
@@ -30,14 +31,17 @@ def _verify(root: Path, m: Manifest, pool: futures.Executor) -> str | None:
   finally:
     os.close(fd)
   buf = np.frombuffer(mm, dtype=np.uint8)
-  for p in m.pieces:
-    path = m.leaves[p.leaf].path
+  named = [(p, f"piece {p.index} of leaf {m.leaves[p.leaf].path!r}", m.leaves[p.leaf].path)
+           for p in m.pieces]
+  named += [(r.piece, f"parity block {r.block} of stripe {r.stripe}", PARITY_PATH)
+            for r in m.parity]
+  for p, what, path in named:
     if p.offset + p.nbytes > buf.nbytes:
-      return f"piece {p.index} of leaf {path!r} lies past the end of its slot file"
+      return f"{what} lies past the end of its slot file"
     if p.kind is not ChecksumKind.CRC32C or not crc_matches(
         buf[p.offset:p.offset + p.nbytes], p.checksum, chunk_bytes=m.chunk_bytes,
         key=piece_key(path, p.index), pool=pool):
-      return f"checksum mismatch in piece {p.index} of leaf {path!r}"
+      return f"checksum mismatch in {what}"
   return None
 
 
@@ -62,7 +66,8 @@ def inspect_store(store: os.PathLike[str] | str, *, run_id: str | None = None,
           why = _verify(hroot, m, pool)
         if m is not None:
           row.update(step=m.step, incarnation=m.incarnation, slot=m.slot,
-                     pieces=len(m.pieces), bytes=m.data_bytes, leaves=len(m.leaves))
+                     pieces=len(m.pieces), parity_blocks=len(m.parity), bytes=m.data_bytes,
+                     leaves=len(m.leaves))
         if why is None:
           valid.append(m)
         row["verdict"] = "valid" if why is None else f"invalid: {why}"
@@ -86,6 +91,8 @@ def inspect_store(store: os.PathLike[str] | str, *, run_id: str | None = None,
                   for inc, e in sorted(lineage.items())},
       "restore_would_pick": (
           {"step": plan.step, "incarnation": plan.incarnation, "stores": list(plan.stores),
+           "rebuilt_from_parity": [{"stripe": rb.stripe, "host": rb.layout.members[rb.lost]}
+                                   for rb in plan.rebuilds],
            "passed_over": reasons}
           if plan is not None else {"step": None, "why": reasons or ["no valid manifest"]}),
   }
