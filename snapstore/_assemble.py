@@ -190,12 +190,14 @@ class Assembler:
     self.bytes_read += copy.record.nbytes
     return np.asarray(got).reshape(-1).view(np.uint8)
 
-  def add_rebuilt(self, leaf: int, index: Index, data: np.ndarray) -> None:
-    """A piece a parity rebuild produced (``data``: its flat bytes, private)."""
+  def adopt(self, leaf: int, index: Index, data: np.ndarray, *, rebuilt: bool = False) -> None:
+    """A piece this process got from elsewhere (``data``: its flat bytes,
+    private): moved from the host that holds it, or rebuilt from parity."""
     spec = self.plan.specs[leaf]
     if (leaf, index) not in self._verified:
       self._verified[(leaf, index)] = data.view(spec.np_dtype).reshape(shape_of(index))
-      self.bytes_rebuilt += data.nbytes
+      if rebuilt:
+        self.bytes_rebuilt += data.nbytes
 
   def region(self, leaf: int, index: Index, device: jax.Device | None) -> tuple[Stored, bool]:
     """The global region ``index`` of ``leaf``, cut from the pieces that

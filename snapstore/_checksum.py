@@ -183,6 +183,8 @@ def _fmix(h: jax.Array) -> jax.Array:
 def _lanes(x: jax.Array) -> jax.Array:
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):  # its bytes: (real, imag) pairs
+    x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
   size = x.dtype.itemsize
   if size in (1, 2):
     u = lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16)

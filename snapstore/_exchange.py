@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _group
-from ._index import Index, covered, normalize, volume
+from ._index import Index, normalize, overlaps
 from ._manifest import Manifest, decode, encode
 from ._planner import REBUILT, Copy, StepPlan
 
@@ -63,21 +63,28 @@ def contributes(copies: Sequence[Copy], host: int) -> bool:
   return store == host or (store == REBUILT and host == 0)
 
 
-def locally_coverable(plan: StepPlan, leaf: int, sharding: jax.sharding.Sharding,
-                      shape: tuple[int, ...]) -> bool:
-  """True if every device's target shard can be cut from its own host's
-  copies (a rebuilt piece is on every host)."""
+def missing_pieces(plan: StepPlan, leaf: int, sharding: jax.sharding.Sharding,
+                   shape: tuple[int, ...]) -> list[Index]:
+  """The pieces of ``leaf`` that some host's devices need (they overlap a
+  target shard there) and that host holds no copy of, in index order; empty
+  where every host can cut its shards from its own copies (a rebuilt piece
+  is on every host). The same on every host: a function of the plan."""
   held: dict[int, set[Index]] = {}
   everywhere: set[Index] = set()
-  for (lf, idx), copies in plan.copies.items():
-    if lf == leaf:
-      for c in copies:
-        (everywhere if c.store == REBUILT else held.setdefault(c.store, set())).add(idx)
+  for idx, copies in plan.leaf_copies(leaf).items():
+    for c in copies:
+      (everywhere if c.store == REBUILT else held.setdefault(c.store, set())).add(idx)
+  pieces = list(plan.leaf_copies(leaf))
+  out: set[Index] = set()
   for device, idx in sharding.devices_indices_map(shape).items():
+    mine = held.get(device.process_index, set())
     target = normalize(idx, shape)
-    if covered(held.get(device.process_index, set()) | everywhere, target) != volume(target):
-      return False
-  return True
+    if target in mine:  # the common case: the saved layout, its own copy
+      continue
+    for piece, _, _ in overlaps(pieces, target):
+      if piece not in mine and piece not in everywhere:
+        out.add(piece)
+  return sorted(out)
 
 
 BATCH_BYTES = 64 << 20
@@ -94,8 +101,20 @@ def _sum_fn(mesh: Mesh, dtype: Any) -> Any:
 
 def sum_words(contribution: np.ndarray) -> np.ndarray:
   """Like :func:`sum_bytes` for uint32 words summed modulo 2**32 (a parity
-  rebuild: every process adds what it holds, see :mod:`._parity`)."""
-  return _sum(contribution.astype(np.uint32, copy=False))
+  rebuild: every process adds what it holds, see :mod:`._parity`), in
+  batches of :data:`BATCH_BYTES` (one compiled sum, a bounded buffer on
+  every device)."""
+  words = contribution.astype(np.uint32, copy=False)
+  width = BATCH_BYTES // 4
+  if words.size <= width:
+    return _sum(words)
+  out = np.empty_like(words)
+  for at in range(0, words.size, width):
+    part = np.zeros(width, np.uint32)
+    n = min(width, words.size - at)
+    part[:n] = words[at:at + n]
+    out[at:at + n] = _sum(part)[:n]
+  return out
 
 
 def sum_bytes(contribution: np.ndarray) -> np.ndarray:

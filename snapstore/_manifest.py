@@ -314,6 +314,7 @@ def _validate_parity(m: Manifest, r: ParityRecord) -> None:
   want = 2 if p.kind is ChecksumKind.DEVICE_SUM else max(1, -(-p.nbytes // m.chunk_bytes))
   if len(p.checksum) != want:
     raise ValueError(f"parity block {p.index} has {len(p.checksum)} checksum values")
+  totals = set()
   for mem in r.layout:
     used = 0
     for leaf, idx in mem:
@@ -324,8 +325,11 @@ def _validate_parity(m: Manifest, r: ParityRecord) -> None:
           not a <= b <= d for (a, b), d in zip(idx, spec.shape)):
         raise ValueError(f"parity block {p.index}: index {idx} outside {spec.shape}")
       used += -(-index_nbytes(idx, spec.np_dtype.itemsize) // 4) * 4
-    if used > r.length:
-      raise ValueError(f"parity block {p.index}: a member's pieces exceed its stripe")
+    totals.add(used)
+  step = 4 * (n - 1)  # the length capture computes (._parity.member_length)
+  if len(totals) != 1 or r.length != max(-(-totals.pop() // step) * step, step):
+    raise ValueError(f"parity block {p.index}: a {r.length}-byte stripe for members of "
+                     "unequal or other sizes")
 
 
 def write_atomic(path: os.PathLike[str] | str, data: bytes, *,

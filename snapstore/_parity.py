@@ -203,10 +203,13 @@ def shard_pieces(leaf: int, arr: jax.Array) -> dict[jax.Device, tuple[int, Index
 
 def evenly_sharded(st: Stripes, arr: jax.Array) -> bool:
   """True if :func:`encode` can carry ``arr``: a NamedSharding over exactly
-  the stripes' devices, with even shards."""
+  the stripes' devices, in device memory, with even shards, of a dtype that
+  bitcasts to bytes (not complex)."""
   s = arr.sharding
   if not isinstance(s, NamedSharding) or s.device_set != set(st.grid.flat):
     return False
+  if s.memory_kind not in (None, "device") or jnp.issubdtype(arr.dtype, jnp.complexfloating):
+    return False  # host-memory leaves and complex dtypes keep full replicas
   try:
     s.shard_shape(tuple(arr.shape))
   except ValueError:

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from . import _exchange, _faults, _group, _parity
-from ._assemble import Assembler, BadCopy, build_leaf, full_region, what_copy
-from ._index import Index, align, to_slices
+from ._assemble import Assembler, BadCopy, what_copy
+from ._index import Index, align
 from ._layout import LeafKind, LeafSpec, batches, target_sharding, wants_numpy
 from ._manifest import Manifest
 from ._planner import REBUILT, Copy, CopyKey
@@ -46,7 +46,7 @@ def _rebuild(assembler: Assembler, piece: Callable[[int, Index], np.ndarray | No
     at += share.size
     for leaf, idx, raw in _parity.split(rb.layout, rb.lost, buf, itemsize):
       if all(c.store == REBUILT for c in plan.copies.get((leaf, idx), ())):
-        assembler.add_rebuilt(leaf, idx, raw)
+        assembler.adopt(leaf, idx, raw, rebuilt=True)
   return flat.nbytes
 
 
@@ -142,14 +142,16 @@ class Distributed:
 
   def _leaves(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
               targets: Sequence[Any]) -> tuple[list[Any], int]:
-    """Each leaf: cut locally where every host holds what its devices need,
-    else move the pieces with batched JAX reductions."""
+    """Each leaf cut from the pieces its devices need: those a host lacks
+    (a lost host's shards, held as replicas elsewhere) travel first, in
+    batched JAX reductions of only those pieces, the same on every host."""
     plan = assembler.plan
     by_path = {s.path: i for i, s in enumerate(plan.specs)}
     mesh = jax.sharding.Mesh(np.array(_group.devices()), ("all",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     out: list[Any] = [None] * len(target_specs)
-    moved: list[int] = []  # positions in target_specs whose pieces must travel
+    moved: list[int] = []  # positions in target_specs with a piece to move
+    needed: dict[tuple[int, Index], None] = {}  # pieces some host lacks, in order
     for pos, (tspec, target) in enumerate(zip(target_specs, targets)):
       li = by_path[tspec.path]
       spec = plan.specs[li]
@@ -158,13 +160,17 @@ class Distributed:
         continue
       sharding = (replicated if wants_numpy(spec, tspec, target)
                   else target_sharding(target))
-      if _exchange.locally_coverable(plan, li, sharding, spec.shape):
-        out[pos] = assembler.leaf(li, tspec, target)
-      else:
+      missing = _exchange.missing_pieces(plan, li, sharding, spec.shape)
+      if missing:
         moved.append(pos)
+        needed.update(((li, idx), None) for idx in missing)
+      else:
+        out[pos] = assembler.leaf(li, tspec, target)
       if pos == len(target_specs) // 2:
         _faults.point("restore", plan.step)
-    sizes = [align(plan.specs[by_path[target_specs[p].path]].nbytes) for p in moved]
+    keys = list(needed)
+    nbytes = [plan.copies[k][0].record.nbytes for k in keys]
+    sizes = [align(n) for n in nbytes]
     groups = batches(sizes, _exchange.BATCH_BYTES)
     width = max((sum(sizes[i] for i in g) for g in groups), default=0)
     exchanged = 0
@@ -172,21 +178,16 @@ class Distributed:
       buf = np.zeros(width, np.uint8)
       offsets, off = [], 0
       for i in group:
-        li = by_path[target_specs[moved[i]].path]
-        spec = plan.specs[li]
+        if _exchange.contributes(plan.copies[keys[i]], self.host):
+          buf[off: off + nbytes[i]] = _flat(assembler.piece(*keys[i]))
         offsets.append(off)
-        leaf = buf[off: off + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
-        for idx, copies in plan.leaf_copies(li).items():
-          if _exchange.contributes(copies, self.host):
-            leaf[to_slices(idx)] = assembler.piece(li, idx)
         off += sizes[i]
       total = _exchange.sum_bytes(buf)
       exchanged += total.nbytes
       for i, at in zip(group, offsets):
-        pos = moved[i]
-        spec = plan.specs[by_path[target_specs[pos].path]]
-        whole = total[at: at + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
-        out[pos] = build_leaf(spec, target_specs[pos], targets[pos], full_region(whole))
+        assembler.adopt(*keys[i], np.array(total[at: at + nbytes[i]]))
+    for pos in moved:
+      out[pos] = assembler.leaf(by_path[target_specs[pos].path], target_specs[pos], targets[pos])
     return out, exchanged
 
 

@@ -144,7 +144,7 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
       reasons.append(why)
     return None
   copies: dict[tuple[int, Index], list[Copy]] = collections.defaultdict(list)
-  parity: dict[int, dict[int, tuple[Copy, ParityRecord]]] = collections.defaultdict(dict)
+  parity: dict[int, dict[int, list[tuple[Copy, ParityRecord]]]] = collections.defaultdict(dict)
   for m in sorted(ms, key=lambda m: (m.host != prefer_store, m.host)):
     slot_bytes = max([p.offset + p.nbytes for p in m.pieces] +
                      [r.piece.offset + r.piece.nbytes for r in m.parity], default=0)
@@ -155,7 +155,7 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
     for r in m.parity:
       c = Copy(m.host, m.slot, r.piece, slot_bytes)
       if c.key(step) not in bad:
-        parity[r.stripe].setdefault(r.block, (c, r))
+        parity[r.stripe].setdefault(r.block, []).append((c, r))
   rebuilds = _rebuilds(step, ref.leaves, parity, copies, reasons)
   by_leaf: dict[int, list[Index]] = collections.defaultdict(list)
   for lf, idx in copies:
@@ -181,7 +181,7 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
 
 
 def _rebuilds(step: int, leaves: Sequence[LeafSpec],
-              parity: Mapping[int, Mapping[int, tuple[Copy, ParityRecord]]],
+              parity: Mapping[int, Mapping[int, list[tuple[Copy, ParityRecord]]]],
               copies: dict[tuple[int, Index], list[Copy]],
               reasons: list[str] | None) -> list[Rebuild]:
   """The stripes with one member's pieces gone and every other member's
@@ -190,10 +190,11 @@ def _rebuilds(step: int, leaves: Sequence[LeafSpec],
   (before the leaf that then fails: it explains the step's rejection better)."""
   out = []
   for stripe in sorted(parity):
-    blocks = parity[stripe]
-    ref = next(iter(blocks.values()))[1]
-    if any((r.members, r.layout, r.length) != (ref.members, ref.layout, ref.length)
-           for _, r in blocks.values()):
+    held = parity[stripe]
+    ref = next(iter(held.values()))[0][1]
+    if any(len(v) > 1 or (v[0][1].members, v[0][1].layout, v[0][1].length)
+           != (ref.members, ref.layout, ref.length) for v in held.values()):
+      # (two stores claiming one block: every host must decide alike)
       why = f"step {step}: the parity blocks of stripe {stripe} disagree on its layout"
     else:
       n = len(ref.members)
@@ -202,6 +203,7 @@ def _rebuilds(step: int, leaves: Sequence[LeafSpec],
       if not lost:
         continue
       x = lost[0]
+      blocks = {j: v[0][0] for j, v in held.items()}
       gone = [j for j in range(n) if j != x and j not in blocks]
       group = f"group of hosts {list(ref.members)} (stripe {stripe})"
       if len(lost) > 1:
@@ -212,7 +214,7 @@ def _rebuilds(step: int, leaves: Sequence[LeafSpec],
                f"blocks of hosts {[ref.members[j] for j in gone]} are unusable")
       else:
         out.append(Rebuild(stripe, x, Layout(ref.members, ref.layout, ref.length),
-                           {j: blocks[j][0] for j in range(n) if j != x}))
+                           {j: blocks[j] for j in range(n) if j != x}))
         for leaf, idx in ref.layout[x]:
           if not real((leaf, idx)) and not copies.get((leaf, idx)):
             rec = PieceRecord(leaf, idx, 0, index_nbytes(idx, leaves[leaf].np_dtype.itemsize),

@@ -130,6 +130,10 @@ def test_a_parity_record_survives_the_manifest_round_trip():
     lambda r: dataclasses.replace(r, layout=((((0, ((0, 99), (0, 2))),)),) + r.layout[1:]),
     lambda r: dataclasses.replace(r, layout=((((3, ((0, 4), (0, 2))),)),) + r.layout[1:]),
     lambda r: dataclasses.replace(r, piece=dataclasses.replace(r.piece, leaf=0)),
+    lambda r: dataclasses.replace(r, length=1 << 40, piece=dataclasses.replace(
+        r.piece, nbytes=(1 << 40) // 3)),                          # a length no member makes
+    lambda r: dataclasses.replace(                                 # members of unequal sizes
+        r, layout=(r.layout[0] + (((0, ((12, 16), (0, 2)))),),) + r.layout[1:]),
     lambda r: dataclasses.replace(
         r, piece=dataclasses.replace(r.piece, kind=ChecksumKind.DEVICE_SUM)),
 ])
@@ -156,6 +160,14 @@ def test_the_planner_rebuilds_one_lost_member_and_names_the_group_when_two_are_l
   assert _planner.choose(ms[:1] + ms[2:], bad=bad, reasons=reasons) is None
   assert "parity blocks of hosts [2]" in reasons[0]
   assert _planner.choose(ms).rebuilds == ()  # nothing lost, nothing rebuilt
+  # Two stores claim one block: every host (whichever it prefers) refuses
+  # the stripe alike, or they would run different collectives.
+  twin = dataclasses.replace(ms[3], parity=(dataclasses.replace(
+      ms[3].parity[0], piece=dataclasses.replace(ms[3].parity[0].piece, index=((7, 2),))),))
+  for prefer in (0, 2, 3):
+    reasons = []
+    assert _planner.choose([ms[0], ms[2], twin], prefer_store=prefer, reasons=reasons) is None
+    assert "disagree" in reasons[0]
 
 
 # ---------------------------------------------------------------- single controller
@@ -213,3 +225,47 @@ def test_the_xor_variant_benchmarked_beside_the_sum_is_the_classic_parity():
         sub = _parity.sub_block(j, d, 4)
         want ^= buf.view(np.uint32)[sub * (length // 12):(sub + 1) * (length // 12)]
     np.testing.assert_array_equal(np.asarray(shard.data).reshape(-1), want)
+
+
+@pytest.mark.parametrize("checksum", ["host", "device"])
+def test_leaves_in_host_memory_or_complex_keep_full_replicas_not_parity(store_dir, checksum):
+  """The parity collective reads device memory as uint32 words: a leaf in
+  pinned_host memory (offloaded) or of a complex dtype keeps a full replica
+  instead, and the user's pinned_host array is copied, never kept (retention
+  frees what a store holds)."""
+  import jax.numpy as jnp
+  from snapstore import SnapshotManager, StoreKind
+  devs = jax.devices()
+  s2d = {k: devs[2 * k:2 * k + 2] for k in range(4)}
+  mesh = jax.sharding.Mesh(np.array(devs), ("x",))
+  st = _parity.slice_stripes(s2d, 3)
+  sh = NamedSharding(mesh, P("x"))
+  state = {
+      "w": jax.device_put(jnp.arange(64, dtype=jnp.float32), sh),
+      "off": jax.device_put(jnp.arange(64, dtype=jnp.float32) * 2, sh.with_memory_kind("pinned_host")),
+      "z": jax.device_put(jnp.arange(16, dtype=jnp.complex64) * 1j, sh),
+  }
+  assert _parity.evenly_sharded(st, state["w"])
+  assert not _parity.evenly_sharded(st, state["off"]) and not _parity.evenly_sharded(st, state["z"])
+  abstract_state = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  expected = {k: np.asarray(v).copy() for k, v in state.items()}
+  opts = SnapshotOptions(store_dir=store_dir, keep=1, redundancy="parity",
+                         store=StoreKind.PINNED_HOST, pinned_checksum=checksum)
+  with SnapshotManager(opts, slices=s2d) as mgr:
+    for step in (1, 2, 3):  # retention frees the older slots
+      mgr.save(step, state)
+      mgr.wait_until_finished()
+    assert not any(v.is_deleted() for v in state.values())
+    mgr.forget_domains([1], "slice lost")
+    r = mgr.restore(abstract_state)
+  assert r.step == 3 and r.bytes_read["rebuilt"] > 0
+  for k, v in r.state.items():
+    assert np.asarray(v).tobytes() == expected[k].tobytes(), k
+
+
+def test_a_rebuild_sum_larger_than_a_batch_is_summed_in_batches(monkeypatch):
+  from snapstore import _exchange
+  monkeypatch.setattr(_exchange, "BATCH_BYTES", 64)
+  words = np.arange(1000, dtype=np.uint32) * np.uint32(2654435761)
+  np.testing.assert_array_equal(_exchange.sum_words(words), words)  # one process: itself

@@ -128,8 +128,9 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     if domains is None or replicas == 0:
       continue
     shardings = replica_shardings(arr.sharding, tuple(arr.shape), domains, replicas)
-    if shardings and stripes is not None and _parity.evenly_sharded(stripes, arr):
-      protect.append((i, arr))
+    raw = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+    if shardings and stripes is not None and _parity.evenly_sharded(stripes, raw):
+      protect.append((i, raw))  # in device memory (``arr`` may be its pinned_host copy)
     elif shardings:
       owner_of = owners(arr.sharding, tuple(arr.shape))
       transfers.extend(Transfer(i, arr, rs, owner_of, mine) for rs in shardings)

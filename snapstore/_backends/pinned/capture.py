@@ -203,12 +203,12 @@ class _LeafPlan:
     dense = sum(len(v) for v in self.holders.values()) == len(arr.sharding.device_set)
     whole = None  # the whole leaf in pinned_host memory, where it was put at once
     if own and dense and isinstance(arr.sharding, NamedSharding):
-      whole = jax.device_put(arr, arr.sharding.with_memory_kind(PINNED))
+      whole = jax.device_put(arr, arr.sharding.with_memory_kind(PINNED), may_alias=False)
       self._collect(whole, ring, shape, own, out)
     else:
       for index, d in own:
         data = self.holders[index][d]
-        out[(index, d)] = jax.device_put(data, _pinned_on(device_of(data)))
+        out[(index, d)] = jax.device_put(data, _pinned_on(device_of(data)), may_alias=False)
     by_shift: dict[int, list[tuple[Index, int]]] = {}
     n = len(ring.order)
     for index, t in self.keep:
@@ -220,7 +220,7 @@ class _LeafPlan:
       moved = _ring_sharding(arr.sharding, ring, k)
       if moved is not None:
         if whole is None:  # a put may change devices or memory kind, not both
-          whole = jax.device_put(arr, arr.sharding.with_memory_kind(PINNED))
+          whole = jax.device_put(arr, arr.sharding.with_memory_kind(PINNED), may_alias=False)
         self._collect(jax.device_put(whole, moved), ring, shape, wanted, out)
         continue
       for index, t in wanted:  # one by one, from the domain k places back
