@@ -105,9 +105,10 @@ def sum_words(contribution: np.ndarray) -> np.ndarray:
   batches of :data:`BATCH_BYTES` (one compiled sum, a bounded buffer on
   every device)."""
   words = contribution.astype(np.uint32, copy=False)
-  width = BATCH_BYTES // 4
-  if words.size <= width:
+  count = -(-words.size // max(BATCH_BYTES // 4, 1))
+  if count <= 1:
     return _sum(words)
+  width = -(-words.size // count)  # equal batches: the last one is not mostly padding
   out = np.empty_like(words)
   for at in range(0, words.size, width):
     part = np.zeros(width, np.uint32)
