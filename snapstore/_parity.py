@@ -163,14 +163,21 @@ def _words(x: jax.Array) -> jax.Array:
 #: adding what it receives (member ``d`` sends sub-block ``r - 1`` to member
 #: ``d + r`` in round ``r``, so no data-dependent gather); ``"xor"``: the same
 #: ring with XOR; ``"sum_reduce_scatter"``: one ``psum_scatter`` of a
-#: ``(k + 1)``-block contribution.
+#: ``(k + 1)``-block contribution over the member axis.
 OPS = ("sum", "xor", "sum_reduce_scatter")
 
 
+_AXIS = "snapstore_parity"
+
+
 @functools.lru_cache(maxsize=32)
-def _encode_fn(mesh: Mesh, k: int, length: int, op: str = "sum") -> Any:
+def _encode_fn(mesh: Mesh, k: int, length: int, op: str,
+               rounds: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
+  """The parity program on a 1-axis ``mesh`` (the ring ops: ``rounds[r - 1]``
+  are round ``r``'s (from, to) positions) or on the stripes' 2-axis mesh
+  (``sum_reduce_scatter``)."""
   n, words = k + 1, length // 4
-  axes = ("stripe", "member")
+  axes = mesh.axis_names if op == "sum_reduce_scatter" else _AXIS
 
   def body(*xs: jax.Array) -> jax.Array:
     flat = jnp.concatenate([_words(x) for x in xs])
@@ -183,13 +190,11 @@ def _encode_fn(mesh: Mesh, k: int, length: int, op: str = "sum") -> Any:
       contrib = jnp.where((j != d)[:, None], subs[s], jnp.uint32(0))
       return jax.lax.psum_scatter(contrib, "member", scatter_dimension=0, tiled=True)
     acc = jnp.zeros((words // k,), jnp.uint32)
-    for r in range(1, n):  # sub_block(d + r, d, n) == r - 1 for every d
-      got = jax.lax.ppermute(subs[r - 1], "member", [(m, (m + r) % n) for m in range(n)])
+    for r, pairs in enumerate(rounds, start=1):  # sub_block(d + r, d, n) == r - 1
+      got = jax.lax.ppermute(subs[r - 1], _AXIS, pairs)
       acc = acc ^ got if op == "xor" else acc + got
     return acc[None]
 
-  if op not in OPS:
-    raise ValueError(f"op is one of {OPS}, got {op!r}")
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
                                check_vma=False))
 
@@ -227,22 +232,38 @@ def layout(st: Stripes, leaves: Sequence[int], arrays: Sequence[jax.Array]
   return [tuple(o[d] for o in owned) for d in st.grid.flat], member_length(sizes, st.k)
 
 
-def encode(st: Stripes, arrays: Sequence[jax.Array], length: int, *, op: str = "sum"
-           ) -> jax.Array:
+def encode(st: Stripes, arrays: Sequence[jax.Array], length: int, *, op: str = "sum",
+           order: Sequence[jax.Device] | None = None) -> jax.Array:
   """The parity blocks of ``arrays`` (laid out as :func:`layout` says): a
   (devices, L / k / 4) uint32 array whose row on each device is its block.
-  One jitted program (``op``: see :data:`OPS`); collective."""
-  flat_devices = list(st.grid.flat)
+  One jitted program (``op``: see :data:`OPS`); collective. The ring runs
+  on one axis over ``order`` (every device of ``st``; default the stripes'
+  order): a multi-controller job passes :func:`._group.devices`, the order
+  its communicators are keyed by, so that after an in-place recovery the
+  parity never meets a communicator of a dead process."""
+  if op not in OPS:
+    raise ValueError(f"op is one of {OPS}, got {op!r}")
+  if op == "sum_reduce_scatter":
+    mesh, spec, rounds = st.mesh, P(("stripe", "member")), ()
+  else:
+    mesh = Mesh(np.array(list(order if order is not None else st.grid.flat)), (_AXIS,))
+    spec = P(_AXIS)
+    pos = {d: i for i, d in enumerate(mesh.devices.flat)}
+    if set(pos) != set(st.grid.flat):
+      raise ValueError("the parity ring needs exactly the stripes' devices")
+    rounds = tuple(tuple(sorted((pos[row[m]], pos[row[(m + r) % st.n]]) for row in st.grid
+                                for m in range(st.n)))
+                   for r in range(1, st.n))
+  flat_devices = list(mesh.devices.flat)
   stacked = []
   for a in arrays:
     shard = tuple(a.sharding.shard_shape(tuple(a.shape))) or (1,)
     by_dev = {s.device: (s.data if s.data.ndim else s.data.reshape(1))
               for s in a.addressable_shards}
     stacked.append(jax.make_array_from_single_device_arrays(
-        (shard[0] * len(flat_devices), *shard[1:]),
-        NamedSharding(st.mesh, P(("stripe", "member"))),
+        (shard[0] * len(flat_devices), *shard[1:]), NamedSharding(mesh, spec),
         [by_dev[d] for d in flat_devices if d in by_dev]))
-  return _encode_fn(st.mesh, st.k, length, op)(*stacked)
+  return _encode_fn(mesh, st.k, length, op, rounds)(*stacked)
 
 
 # -------------------------------------------------------------- rebuild

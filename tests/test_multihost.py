@@ -283,15 +283,18 @@ def test_in_place_heal_survives_losing_process_0_and_a_second_death_during_recov
   """Process 0 dies with its store (the supervisor hosts the coordination
   service, so the others live on), then host 3 dies inside the restore that
   heals it: the survivors keep their processes, the job heals twice and ends
-  bitwise equal, never on a partial state; the replacement's shards came
-  from its peers. Three steps per live() block: the kill lands inside one,
-  whose finished steps' snapshots still bound the rewind to one step."""
+  bitwise equal, never on a partial state; the replacement's shards were
+  rebuilt from its peers' parity (k=3 over 4 one-host domains: the parity
+  collectives, too, must avoid the dead process's gloo communicators after
+  the heal). Three steps per live() block: the kill lands inside one, whose
+  finished steps' snapshots still bound the rewind to one step. (In place
+  with replicas: the demo, which CI runs.)"""
   job = Job(tmp_path, cache_dir, "twice").run(
       [Kill(host=0, step=random.Random(12).randint(4, STEPS - 1), lose_store=True),
        Kill(host=3, step=-1, phase="restore")],
-      args=["--hosts-per-domain", "2", "--live-every", "3"], in_place=True)
+      args=[*PARITY, "--live-every", "3"], in_place=True)
   restores = check_in_place(job, reference, replaced=[0, 3], restores=1)
-  assert restores[0]["bytes_read"]["exchanged"] > 0
+  assert restores[0]["bytes_read"]["rebuilt"] > 0
 
 
 def test_losing_process_0_that_hosts_the_service_falls_back_to_a_full_restart(

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ... import _faults, _parity
+from ... import _faults, _group, _parity
 from ..._checksum import chunk_seeds, copy_crc, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches
@@ -145,7 +145,7 @@ def _add_parity(cap: Capture, st: _parity.Stripes, protect: Sequence[tuple[int, 
   """Computes the parity of ``protect`` over ``st`` (one collective) and
   adds the blocks this host keeps, one per local device."""
   layouts, length = _parity.layout(st, [i for i, _ in protect], [a for _, a in protect])
-  out = _parity.encode(st, [a for _, a in protect], length)
+  out = _parity.encode(st, [a for _, a in protect], length, order=_group.devices())
   _faults.point("replica", step)
   for shard in out.addressable_shards:
     s, j = st.where[shard.device]
