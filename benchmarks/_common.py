@@ -67,6 +67,40 @@ def sized_main(name: str, doc: str | None, run: Callable[[int, int], dict[str, A
   return 0
 
 
+def job_args(p: argparse.ArgumentParser, *, steps: int, rounds: int, repeats: int) -> None:
+  """The options of a benchmark that runs ``_mh_worker.Job`` on 4 hosts."""
+  p.add_argument("--mb", type=int, default=256)
+  p.add_argument("--steps", type=int, default=steps)
+  p.add_argument("--rounds", type=int, default=rounds)
+  p.add_argument("--repeats", type=int, default=repeats)
+  p.add_argument("--step-s", type=float, default=0.5,
+                 help="step time: the state update, padded with a sleep that stands "
+                      "for accelerator compute (host cores free); 0: the bare update")
+
+
+def run_workers(module: str, argv: Callable[[Path], Sequence[str]], *, prefix: str,
+                run_id: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+  """Runs ``module`` on 4 local hosts (2 CPU devices each) under ``snapstore
+  launch`` with ``argv(work) + --out --store`` in a fresh RAM-disk folder;
+  returns the JSON host 0 wrote (the hosts' log tails in the error if not)."""
+  from snapstore.launch import launch  # noqa: PLC0415
+  work = ram_dir(prefix)
+  root = str(Path(__file__).resolve().parents[1])
+  env = dict(env or {}, PYTHONPATH=os.pathsep.join(
+      [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  out = work / "result.json"
+  try:
+    launch(module, [*argv(work), "--out", str(out), "--store", str(work / "store")],
+           num_hosts=4, devices_per_host=2, store_dir=work / "store", run_id=run_id,
+           max_incarnations=1, timeout_s=1200, log_dir=work, env=env)
+    return json.loads(out.read_text())
+  except RuntimeError as e:
+    logs = "".join(p.read_text()[-2000:] for p in sorted(work.glob("inc0-host*.log")))
+    raise RuntimeError(f"{e}\n{logs}") from e
+  finally:
+    cleanup(work)
+
+
 def cleanup(path: Path) -> None:
   shutil.rmtree(path, ignore_errors=True)
 

@@ -18,34 +18,17 @@ param, 1,024 hosts).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from collections.abc import Sequence
-from pathlib import Path
 
-from benchmarks._common import cleanup, emit, ram_dir
+from benchmarks._common import emit, job_args, run_workers
 
 
 def run(mb: int, steps: int, rounds: int, repeats: int, k: int, step_s: float) -> dict:
-  from snapstore.launch import launch  # noqa: PLC0415
-  work = ram_dir("snapstore-parity-bench-")
-  root = str(Path(__file__).resolve().parents[1])
-  env = {"PYTHONPATH": os.pathsep.join(
-      [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-  try:
-    out = work / "result.json"
-    launch("benchmarks._parity_worker",
-           ["--mb", str(mb), "--steps", str(steps), "--rounds", str(rounds),
-            "--repeats", str(repeats), "--parity-k", str(k), "--step-s", str(step_s),
-            "--out", str(out), "--store", str(work / "store")],
-           num_hosts=4, devices_per_host=2, store_dir=work / "store", run_id="parity",
-           max_incarnations=1, timeout_s=1200, log_dir=work, env=env)
-    return json.loads(out.read_text())
-  except RuntimeError as e:
-    logs = "".join(p.read_text()[-2000:] for p in sorted(work.glob("inc0-host*.log")))
-    raise RuntimeError(f"{e}\n{logs}") from e
-  finally:
-    cleanup(work)
+  return run_workers(
+      "benchmarks._parity_worker",
+      lambda work: ["--mb", str(mb), "--steps", str(steps), "--rounds", str(rounds),
+                    "--repeats", str(repeats), "--parity-k", str(k), "--step-s", str(step_s)],
+      prefix="snapstore-parity-bench-", run_id="parity")
 
 
 def v5p_plan() -> dict:
@@ -59,14 +42,8 @@ def v5p_plan() -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="benchmarks.parity", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--mb", type=int, default=256)
-  p.add_argument("--steps", type=int, default=6)
-  p.add_argument("--rounds", type=int, default=2)
-  p.add_argument("--repeats", type=int, default=2)
+  job_args(p, steps=6, rounds=2, repeats=2)
   p.add_argument("--parity-k", type=int, default=3)
-  p.add_argument("--step-s", type=float, default=0.5,
-                 help="step time: the state update, padded with a sleep that stands "
-                      "for accelerator compute (host cores free)")
   p.add_argument("--out", default="bench-results/parity.json")
   args = p.parse_args(argv)
   result = run(args.mb, args.steps, args.rounds, args.repeats, args.parity_k, args.step_s)
