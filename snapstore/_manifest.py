@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import crc32c
@@ -279,13 +279,11 @@ def validate(m: Manifest) -> None:
     if p.leaf >= len(m.leaves) or m.leaves[p.leaf].kind is LeafKind.SCALAR:
       raise ValueError(f"a piece names leaf {p.leaf}, which holds no array")
     spec = m.leaves[p.leaf]
-    if len(p.index) != len(spec.shape) or any(
-        not a <= b <= d for (a, b), d in zip(p.index, spec.shape)):
+    if not _inside(p.index, spec.shape):
       raise ValueError(f"piece index {p.index} outside leaf shape {spec.shape}")
     if p.nbytes != index_nbytes(p.index, spec.np_dtype.itemsize):
       raise ValueError(f"piece {p.index} of {spec.path!r} claims {p.nbytes} bytes")
-    want = (2 if p.kind is ChecksumKind.DEVICE_SUM
-            else max(1, -(-p.nbytes // m.chunk_bytes)))
+    want = _checksum_count(p, m.chunk_bytes)
     if len(p.checksum) != want:
       raise ValueError(f"piece {p.index} of {spec.path!r} has {len(p.checksum)} "
                        f"checksum values, {p.kind.value} needs {want}")
@@ -300,6 +298,31 @@ def validate(m: Manifest) -> None:
     raise ValueError("two parity blocks share a (stripe, block)")
 
 
+def _inside(index: Index, shape: tuple[int, ...]) -> bool:
+  return len(index) == len(shape) and all(a <= b <= d for (a, b), d in zip(index, shape))
+
+
+def _checksum_count(p: PieceRecord, chunk_bytes: int) -> int:
+  """How many checksum values a stored copy of ``p.nbytes`` carries."""
+  return 2 if p.kind is ChecksumKind.DEVICE_SUM else max(1, -(-p.nbytes // chunk_bytes))
+
+
+def pad4(n: int) -> int:
+  return -(-n // 4) * 4
+
+
+def pad4_sum(sizes: Sequence[int]) -> int:
+  """Bytes of pieces of ``sizes`` laid end to end, each padded to 4."""
+  return sum(pad4(s) for s in sizes)
+
+
+def member_length(used: int, k: int) -> int:
+  """A parity stripe's member length ``L`` for members of ``used`` padded
+  bytes: a multiple of ``4 k`` (``k`` sub-blocks of words), at least one."""
+  step = 4 * k
+  return max(-(-used // step) * step, step)
+
+
 def _validate_parity(m: Manifest, r: ParityRecord) -> None:
   p = r.piece
   n = len(r.members)
@@ -311,23 +334,20 @@ def _validate_parity(m: Manifest, r: ParityRecord) -> None:
     raise ValueError(f"parity block {p.index} is not its holder's")
   if r.length % (4 * (n - 1)) or p.nbytes != r.length // (n - 1):
     raise ValueError(f"parity block {p.index}: {p.nbytes} bytes of a {r.length}-byte stripe")
-  want = 2 if p.kind is ChecksumKind.DEVICE_SUM else max(1, -(-p.nbytes // m.chunk_bytes))
-  if len(p.checksum) != want:
+  if len(p.checksum) != _checksum_count(p, m.chunk_bytes):
     raise ValueError(f"parity block {p.index} has {len(p.checksum)} checksum values")
   totals = set()
   for mem in r.layout:
-    used = 0
+    sizes = []
     for leaf, idx in mem:
       if leaf >= len(m.leaves) or m.leaves[leaf].kind is LeafKind.SCALAR:
         raise ValueError(f"parity block {p.index} names leaf {leaf}, which holds no array")
       spec = m.leaves[leaf]
-      if len(idx) != len(spec.shape) or any(
-          not a <= b <= d for (a, b), d in zip(idx, spec.shape)):
+      if not _inside(idx, spec.shape):
         raise ValueError(f"parity block {p.index}: index {idx} outside {spec.shape}")
-      used += -(-index_nbytes(idx, spec.np_dtype.itemsize) // 4) * 4
-    totals.add(used)
-  step = 4 * (n - 1)  # the length capture computes (._parity.member_length)
-  if len(totals) != 1 or r.length != max(-(-totals.pop() // step) * step, step):
+      sizes.append(index_nbytes(idx, spec.np_dtype.itemsize))
+    totals.add(pad4_sum(sizes))
+  if len(totals) != 1 or r.length != member_length(totals.pop(), n - 1):
     raise ValueError(f"parity block {p.index}: a {r.length}-byte stripe for members of "
                      "unequal or other sizes")
 

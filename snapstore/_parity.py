@@ -15,11 +15,11 @@ survivors' sub-blocks in P_j``. Each domain keeps ``1 / k`` of its own bytes
 extra, instead of the full copy a replica costs.
 
 Both directions are sums: the parity is ``k`` jitted collective permutes
-around each group on a (stripe, member) mesh, each member adding what it
-receives (XLA carries the bytes, as it does for replicas; each device sends
-``L`` bytes, what a replica sends); a rebuild is one sum over hosts (:func:`._exchange.sum_words`)
-where each survivor contributes its words negated, or plain numpy where one
-process holds every store.
+around each group, over the job's agreed device order, each member adding
+what it receives (XLA carries the bytes, as it does for replicas; each device
+sends ``L`` bytes, what a replica sends); a rebuild is one sum over hosts
+(:func:`._exchange.sum_words`) where each survivor contributes its words
+negated, or plain numpy where one process holds every store.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._index import Index, nbytes as index_nbytes, normalize
-from ._manifest import PARITY_LEAF
+from ._manifest import PARITY_LEAF, member_length, pad4, pad4_sum
 
 __all__ = ["OPS", "PARITY_LEAF", "PARITY_PATH", "Layout", "Stripes", "contribution", "encode",
            "evenly_sharded", "groups_error", "layout", "slice_stripes", "split", "stripes"]
@@ -45,24 +45,9 @@ __all__ = ["OPS", "PARITY_LEAF", "PARITY_PATH", "Layout", "Stripes", "contributi
 PARITY_PATH = "<parity>"
 
 
-def pad4(n: int) -> int:
-  return -(-n // 4) * 4
-
-
-def member_length(sizes: Sequence[int], k: int) -> int:
-  """``L`` for members whose pieces have ``sizes`` bytes."""
-  step = 4 * k
-  return max(-(-sum(pad4(s) for s in sizes) // step) * step, step)
-
-
 def sub_block(j: int, d: int, n: int) -> int:
   """Which sub-block of member ``d`` parity block ``P_j`` sums (``j != d``)."""
   return (j - d - 1) % n
-
-
-def holder(x: int, s: int, n: int) -> int:
-  """The member whose parity block holds sub-block ``s`` of member ``x``."""
-  return (x + s + 1) % n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +109,11 @@ def stripes(devices: Sequence[jax.Device], domains: Mapping[int, int], k: int) -
       hosts = [by_domain[dom][pos] for dom in group]
       for i in range(len(local[hosts[0]])):
         rows.append([local[h][i] for h in hosts])
-  grid = np.empty((len(rows), n), dtype=object)
+  return _stripes(rows, k)
+
+
+def _stripes(rows: Sequence[Sequence[jax.Device]], k: int) -> Stripes:
+  grid = np.empty((len(rows), k + 1), dtype=object)
   for s, row in enumerate(rows):
     for m, d in enumerate(row):
       grid[s, m] = d
@@ -141,11 +130,7 @@ def slice_stripes(slices: Mapping[int, Sequence[jax.Device]], k: int) -> Stripes
     return None
   rows = [[slices[d][i] for d in keys[g * n:(g + 1) * n]]
           for g in range(len(keys) // n) for i in range(len(slices[keys[0]]))]
-  grid = np.empty((len(rows), n), dtype=object)
-  for s, row in enumerate(rows):
-    for m, d in enumerate(row):
-      grid[s, m] = d
-  return Stripes(k, grid)
+  return _stripes(rows, k)
 
 
 # ------------------------------------------------------------ device side
@@ -229,7 +214,8 @@ def layout(st: Stripes, leaves: Sequence[int], arrays: Sequence[jax.Array]
   sizes = [int(np.prod(a.sharding.shard_shape(tuple(a.shape)))) * np.dtype(a.dtype).itemsize
            for a in arrays]
   owned = [shard_pieces(i, a) for i, a in zip(leaves, arrays)]
-  return [tuple(o[d] for o in owned) for d in st.grid.flat], member_length(sizes, st.k)
+  return [tuple(o[d] for o in owned) for d in st.grid.flat], member_length(pad4_sum(sizes),
+                                                                           st.k)
 
 
 def encode(st: Stripes, arrays: Sequence[jax.Array], length: int, *, op: str = "sum",
@@ -307,7 +293,7 @@ def contribution(layout: Layout, lost: int, itemsize: Callable[[int], int],
   for j in range(n):
     if j == lost:
       continue
-    s = (j - lost - 1) % n  # the sub-block of ``lost`` that P_j holds
+    s = sub_block(j, lost, n)  # the sub-block of ``lost`` that P_j holds
     got = block(j)
     if got is not None:
       out[s * bw:(s + 1) * bw] += got.view(np.uint32)
@@ -327,7 +313,7 @@ def contribution(layout: Layout, lost: int, itemsize: Callable[[int], int],
     for j in range(n):
       if j in (d, lost):
         continue
-      s, sd = (j - lost - 1) % n, sub_block(j, d, n)
+      s, sd = sub_block(j, lost, n), sub_block(j, d, n)
       out[s * bw:(s + 1) * bw] -= words[sd * bw:(sd + 1) * bw]
   return out
 

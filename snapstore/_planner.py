@@ -15,7 +15,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgpack
-
 import numpy as np
 
 from . import errors

@@ -19,7 +19,7 @@ from snapstore._index import to_slices
 from snapstore._layout import flatten, tree_digest
 from tests.helpers import assert_bitwise_equal
 from snapstore._manifest import (PARITY_LEAF, Manifest, ParityRecord, PieceRecord, decode,
-                                 encode)
+                                 encode, member_length)
 
 
 def _stripes(k):
@@ -105,7 +105,7 @@ def _manifests(k=3):
   n = k + 1
   specs, _, _ = flatten({"w": jax.ShapeDtypeStruct((4 * n, 2), np.float32)})
   layout = tuple((((0, ((4 * h, 4 * h + 4), (0, 2))),)) for h in range(n))
-  length = _parity.member_length([32], k)
+  length = member_length(32, k)
   out = []
   for h in range(n):
     piece = PieceRecord(0, ((4 * h, 4 * h + 4), (0, 2)), 0, 32, (0,), h)

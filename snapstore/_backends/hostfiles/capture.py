@@ -120,7 +120,8 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     if spec.kind is LeafKind.NUMPY:
       _add_numpy(cap, i, leaf, host)
       continue
-    arr, on_cpu = _staged(spec, leaf)
+    raw = _plain(spec, leaf)
+    arr, on_cpu = _staged(raw)
     mine = set()
     for piece, data in addressable_pieces(i, arr):
       mine.add(piece.index)
@@ -128,7 +129,6 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     if domains is None or replicas == 0:
       continue
     shardings = replica_shardings(arr.sharding, tuple(arr.shape), domains, replicas)
-    raw = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
     if shardings and stripes is not None and _parity.evenly_sharded(stripes, raw):
       protect.append((i, raw))  # in device memory (``arr`` may be its pinned_host copy)
     elif shardings:
@@ -182,10 +182,14 @@ def _replicate(cap: Capture, transfers: Sequence[Transfer], *, step: int,
         _add_replica(cap, t, piece, data)
 
 
-def _staged(spec: LeafSpec, leaf: Any) -> tuple[jax.Array, bool]:
-  """(the leaf as a plain array — key data for keys — staged to ``pinned_host``
-  memory by an async ``device_put`` on accelerators; whether it is on CPU)."""
-  arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+def _plain(spec: LeafSpec, leaf: Any) -> jax.Array:
+  """The leaf as a plain array (key data for keys), where the state holds it."""
+  return jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+
+
+def _staged(arr: jax.Array) -> tuple[jax.Array, bool]:
+  """(``arr`` staged to ``pinned_host`` memory by an async ``device_put`` on
+  accelerators; whether it is on CPU)."""
   on_cpu = all(d.platform == "cpu" for d in arr.sharding.device_set)
   if not on_cpu:
     arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
@@ -292,7 +296,7 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       for d, cap in caps.items():
         _add_numpy(cap, i, leaf, d)
       continue
-    arr, on_cpu = _staged(spec, leaf)
+    arr, on_cpu = _staged(_plain(spec, leaf))
     for index, by_domain in holders_by_domain(spec.path, arr, domain_of).items():
       nbytes = index_nbytes(index, arr.dtype.itemsize)
       owner = min(by_domain)
