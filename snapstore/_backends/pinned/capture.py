@@ -120,7 +120,8 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   slot = {(p.leaf, p.index, d): n for d, ps in cap.pieces.items() for n, (p, _) in enumerate(ps)}
   for i, arr, plan in planned:
     on_device = checksum is ChecksumKind.DEVICE_SUM
-    per_shard = shard_checksums(arr) if on_device else None
+    sums = shard_checksums(arr) if on_device else None
+    per_shard = (_fetched_once(sums[0]), sums[1]) if sums is not None else None
     for (index, d), copy in plan.dispatch(arr, ring).items():
       cap.arrays[d][slot[(i, index, d)]] = copy
     first: dict[Index, int] = {}  # the lowest domain keeping each piece
@@ -273,14 +274,30 @@ def _host_sum(cap: PinnedCapture, domain: int, position: int, chunk_bytes: int,
   return get
 
 
-def _pending_sum(src: jax.Array, per_shard: tuple[jax.Array, dict] | None
+def _pending_sum(src: jax.Array,
+                 per_shard: tuple[Callable[[], np.ndarray], dict] | None
                  ) -> Callable[[], Checksum]:
   if per_shard is not None:
-    out, rows = per_shard
+    host, rows = per_shard
     row = rows[next(iter(src.devices()))]
-    return lambda: as_checksum(np.asarray(out)[row])
+    return lambda: as_checksum(host()[row])
   pending = device_checksum(src)  # dispatched now, read in the drain
   return lambda: as_checksum(pending)
+
+
+def _fetched_once(out: jax.Array) -> Callable[[], np.ndarray]:
+  """``out``'s host value, fetched once however many drain threads ask for
+  it (concurrent ``np.asarray`` of one array raced inside jax 0.10:
+  IndexError, seen once in CI). One per leaf: its pieces share it."""
+  lock = threading.Lock()
+  memo: list[np.ndarray] = []
+
+  def get() -> np.ndarray:
+    with lock:
+      if not memo:
+        memo.append(np.asarray(out))
+      return memo[0]
+  return get
 
 
 def device_of(a: jax.Array) -> jax.Device:
