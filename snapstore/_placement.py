@@ -146,20 +146,38 @@ def _from_bytes(b: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
   return jax.lax.bitcast_convert_type(b.reshape(shape), like.dtype)
 
 
+# The permute is three programs, not one: packing and unpacking (one byte
+# buffer per device, per-leaf work) do not depend on the device pairs, so
+# after an in-place heal's new device order they come from the persistent
+# compilation cache (:mod:`._cache_keys`); only the one-op permute compiles
+# again. As one program it compiled for ~3 s a process after every heal.
 @functools.lru_cache(maxsize=32)
-def _permute_fn(mesh: Mesh, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
-  """One ppermute per distinct permutation: the arrays that share it travel
-  as one byte buffer (one message per device pair, not one per leaf)."""
-  def body(*xs: jax.Array) -> tuple[jax.Array, ...]:
-    out: list[Any] = [None] * len(xs)
-    for perm in sorted(set(perms)):
-      which = [i for i, p in enumerate(perms) if p == perm]
-      flat = [_to_bytes(xs[i]) for i in which]
-      moved = jax.lax.ppermute(jnp.concatenate(flat), _AXIS, perm)
-      at = 0
-      for i, f in zip(which, flat):
-        out[i] = _from_bytes(moved[at: at + f.size], xs[i])
-        at += f.size
+def _pack_fn(mesh: Mesh) -> Any:
+  """Each device's shards of the arguments, as bytes, one after another."""
+  def body(*xs: jax.Array) -> jax.Array:
+    return jnp.concatenate([_to_bytes(x) for x in xs])
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
+                               check_vma=False))
+
+
+@functools.lru_cache(maxsize=32)
+def _move_fn(mesh: Mesh, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
+  """``perms[i]`` applied to buffer ``i``: one message per device pair."""
+  def body(*bufs: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(jax.lax.ppermute(b, _AXIS, p) for b, p in zip(bufs, perms))
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
+                               check_vma=False))
+
+
+@functools.lru_cache(maxsize=256)
+def _unpack_fn(mesh: Mesh, likes: tuple[jax.ShapeDtypeStruct, ...]) -> Any:
+  """The inverse of :func:`_pack_fn` for per-device blocks shaped ``likes``."""
+  def body(buf: jax.Array) -> tuple[jax.Array, ...]:
+    out, at = [], 0
+    for like in likes:
+      size = int(np.prod(like.shape, dtype=np.int64)) * np.dtype(like.dtype).itemsize
+      out.append(_from_bytes(buf[at: at + size], like))
+      at += size
     return tuple(out)
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
                                check_vma=False))
@@ -167,21 +185,32 @@ def _permute_fn(mesh: Mesh, perms: tuple[tuple[tuple[int, int], ...], ...]) -> A
 
 def ring_permute(arrays: Sequence[jax.Array],
                  perms: Sequence[dict[jax.Device, jax.Device]]) -> list[jax.Array]:
-  """Sends each device's shard of ``arrays[i]`` to ``perms[i][device]``, all in
-  one jitted collective permute (XLA carries the bytes; compiled once per
-  set of shapes). Returns, per array, a ``(devices * shard_rows, ...)``
-  array whose block on device ``e`` is the shard that ``e`` received.
-  Collective: every process calls it with the same arrays."""
+  """Sends each device's shard of ``arrays[i]`` to ``perms[i][device]``: the
+  arrays that share a permutation travel as one byte buffer per device, in
+  one jitted collective permute (XLA carries the bytes). Returns, per
+  array, a ``(devices * shard_rows, ...)`` array whose block on device ``e``
+  is the shard that ``e`` received. Collective: every process calls it with
+  the same arrays."""
   mesh = _device_mesh()
   pos = {d: i for i, d in enumerate(mesh.devices.flat)}
-  stacked = []
+  stacked, blocks = [], []
   for a in arrays:
     shard = tuple(a.sharding.shard_shape(tuple(a.shape))) or (1,)
     datas = [sh.data if sh.data.ndim else sh.data.reshape(1) for sh in a.addressable_shards]
     stacked.append(jax.make_array_from_single_device_arrays(
         (shard[0] * mesh.size, *shard[1:]), NamedSharding(mesh, P(_AXIS)), datas))
-  pairs = tuple(tuple(sorted((pos[s], pos[d]) for s, d in p.items())) for p in perms)
-  return list(_permute_fn(mesh, pairs)(*stacked))
+    blocks.append(jax.ShapeDtypeStruct(shard, a.dtype))
+  groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
+  for i, p in enumerate(perms):
+    groups.setdefault(tuple(sorted((pos[s], pos[d]) for s, d in p.items())), []).append(i)
+  order = sorted(groups)
+  packed = [_pack_fn(mesh)(*[stacked[i] for i in groups[p]]) for p in order]
+  out: list[Any] = [None] * len(arrays)
+  for p, buf in zip(order, _move_fn(mesh, tuple(order))(*packed)):
+    which = groups[p]
+    for i, o in zip(which, _unpack_fn(mesh, tuple(blocks[i] for i in which))(buf)):
+      out[i] = o
+  return out
 
 
 def ring_keepers(holders: Collection[int], order: Sequence[int], replicas: int) -> list[int]:

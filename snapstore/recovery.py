@@ -53,7 +53,7 @@ from typing import Any
 
 import jax
 
-from . import _group
+from . import _cache_keys, _group
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
   set_flags(collective_timeout_s=collective_timeout_s)
   jax.config.update("jax_enable_recoverability", True)
   _orbax_barriers_in_the_service()
+  _cache_keys.share()
   if not external_service:
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                heartbeat_timeout_seconds=heartbeat_timeout_s,

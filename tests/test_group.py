@@ -38,3 +38,109 @@ def test_no_order_left_is_none():
   devices = [Dev(0), Dev(1)]
   used = {(0, 1), (1, 0)}
   assert _group.rekeyed({d: 1 for d in devices}, used, {1}) is None
+
+
+_RING = """
+import json, sys
+import jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+if sys.argv[3] == "strip":
+  from snapstore import _cache_keys
+  _cache_keys.share()
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+order = [jax.devices()[int(i)] for i in sys.argv[2].split(",")]
+mesh = Mesh(np.array(order), ("x",))
+
+def ring(a):  # position j gets position j-1's value, and its own index
+  b = jax.lax.ppermute(a, "x", [(j, (j + 1) % 8) for j in range(8)])
+  return b * 100 + jax.lax.axis_index("x")
+
+f = jax.jit(jax.shard_map(ring, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+y = f(jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(mesh, P("x"))))
+print(json.dumps({s.device.id: float(s.data[0]) for s in y.addressable_shards}))
+"""
+
+
+@pytest.mark.parametrize("strip", [True, False])
+def test_a_program_cached_for_one_device_order_runs_right_under_another(tmp_path, strip):
+  """In-place recovery compiles for a new device order after a heal; with
+  the device assignment out of the cache key (CPU), the programs compiled
+  before are found in the persistent cache, and the loaded program places
+  and exchanges by the new order, device by device."""
+  import json
+  import subprocess
+  import sys
+  cache = tmp_path / "cache"
+
+  def run(order: list[int]) -> dict[int, float]:
+    out = subprocess.run([sys.executable, "-c", _RING, str(cache), ",".join(map(str, order)),
+                          "strip" if strip else "keep"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+  def programs() -> int:
+    return len([p for p in cache.iterdir() if p.name.startswith("jit_ring")])
+
+  for n, order in enumerate(([0, 1, 2, 3, 4, 5, 6, 7], [3, 1, 0, 2, 7, 5, 6, 4])):
+    got = run(order)
+    want = {d: ((j - 1) % 8) * 100.0 + j for j, d in enumerate(order)}
+    assert got == want  # each device holds its position's result in this order
+    assert programs() == (1 if strip else n + 1)  # stripped: the second run hit
+
+
+_PAIR = """
+import json, sys
+import jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+if sys.argv[4] == "share":
+  from snapstore import _cache_keys
+  _cache_keys.share()
+from jax._src import monitoring
+hits = []
+monitoring.register_event_listener(
+    lambda event, **kw: hits.append(1) if event.endswith("cache_hits") else None)
+jax.distributed.initialize(sys.argv[2], 2, int(sys.argv[3]))
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("x",))
+s = NamedSharding(mesh, P("x"))
+x = jax.make_array_from_callback((8,), s, lambda i: np.arange(8.0)[i])
+total = jax.jit(lambda a: (a * 3).sum(), in_shardings=s)(x)
+print(json.dumps({"hits": len(hits), "total": float(total)}))
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_every_process_of_a_job_finds_the_programs_process_0_cached(tmp_path, share):
+  """JAX lets only process 0 write the persistent cache; on CPU each
+  process's key held its own device list, so the others never hit. Shared
+  keys: a second run of a 2-process job hits in both processes."""
+  import json
+  import socket
+  import subprocess
+  import sys
+
+  def run() -> list[dict]:
+    with socket.socket() as sock:
+      sock.bind(("127.0.0.1", 0))
+      address = f"127.0.0.1:{sock.getsockname()[1]}"
+    procs = [subprocess.Popen([sys.executable, "-c", _PAIR, str(tmp_path), address, str(p),
+                               "share" if share else "keep"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for p in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+  first, second = run(), run()
+  assert [r["total"] for r in first + second] == [84.0] * 4
+  hit = [r["hits"] > 0 for r in second]
+  assert hit == ([True, True] if share else [True, False])
