@@ -6,7 +6,8 @@ each, 2 failure domains), each step padded to ``--step-s`` (what the demo
 does), run with snapshots off and then on at each ``--replica-intervals``
 value, one job after another in the same process; with ``--live-every``,
 also in place (JAX's fault-tolerance mode, ``snapstore.recovery``) with
-that many steps per ``live()`` block. Reports the median and mean step of
+that many steps per ``live()`` block, and in place with snapshots off (the
+mode's own cost, at the first ``--live-every``). Reports the median and mean step of
 each job and their ratios to the job without snapshots.
 """
 
@@ -47,11 +48,16 @@ def run(steps: int, step_s: float, replica_intervals: Sequence[int],
                                  ["--replica-interval", str(replica_intervals[0]),
                                   "--live-every", str(k)], in_place=True), base)
                 for k in live_every}
+    if live_every:  # the mode's own cost: in place, no snapshots
+      in_place_off = _vs(_job(work, "live-off", steps, step_s,
+                              ["--snapshots", "0", "--live-every", str(live_every[0])],
+                              in_place=True), base)
   finally:
     cleanup(work)
   out = {"steps": steps, "step_s": step_s, "snapshots_off": base, "replica_interval": rows}
   if in_place:
     out["in_place_live_every"] = in_place
+    out["in_place_snapshots_off"] = in_place_off
   return out
 
 
