@@ -48,7 +48,9 @@ def share() -> None:
     options.snapstore = True  # type: ignore[attr-defined]
     cache_key._hash_serialized_compile_options = options
   hash_config = getattr(cache_key, "_hash_accelerator_config", None)
-  if hash_config is not None and not hasattr(hash_config, "snapstore"):
+  if (hash_config is not None and not hasattr(hash_config, "snapstore")
+      and len(inspect.signature(hash_config).parameters) == 2
+      and hasattr(cache_key, "xla_client")):
 
     def config(hash_obj: Any, accelerators: Any) -> Any:
       devices = list(accelerators.flat)
@@ -66,10 +68,11 @@ def share() -> None:
 
 
 def without_devices(topology: bytes) -> bytes:
-  """A serialized ``PjRtTopologyDescriptionProto`` without the device list
-  of the CPU topology it wraps (field 9, a ``google.protobuf.Any`` whose
-  value, field 2, is a ``CpuTopologyProto``: field 1 is its devices).
-  Raises ValueError on bytes that do not parse as that."""
+  """What to hash of a serialized ``PjRtTopologyDescriptionProto``: its
+  fields, with the CPU topology it wraps (field 9, a ``google.protobuf.Any``
+  whose value, field 2, is a ``CpuTopologyProto``) spliced in without that
+  topology's device list (its field 1). Not a valid message: hash input
+  only. Raises ValueError on bytes that do not parse."""
   out = []
   for number, raw, payload in _fields(topology):
     if number != 9 or payload is None:

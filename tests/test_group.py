@@ -144,3 +144,23 @@ def test_every_process_of_a_job_finds_the_programs_process_0_cached(tmp_path, sh
   assert [r["total"] for r in first + second] == [84.0] * 4
   hit = [r["hits"] > 0 for r in second]
   assert hit == ([True, True] if share else [True, False])
+
+
+def test_a_cpu_topology_without_its_devices_keeps_the_rest():
+  import jax
+  from jax._src.lib import xla_client
+
+  from snapstore import _cache_keys
+  topology = xla_client.get_topology_for_devices(jax.devices()).serialize()
+  kept = _cache_keys.without_devices(topology)
+  assert len(kept) < len(topology)  # 8 device entries gone
+  assert _cache_keys.without_devices(kept) == kept
+  machine = [p for n, _, p in _cache_keys._fields(topology) if n == 9][0]
+  inner = [p for n, _, p in _cache_keys._fields(machine) if n == 2][0]
+  fields = list(_cache_keys._fields(inner))
+  assert all(raw in kept for n, raw, _ in fields if n != 1)  # the target machine stays
+  assert len(topology) - len(kept) >= sum(len(raw) for n, raw, _ in fields if n == 1) > 0
+  with pytest.raises(ValueError):
+    _cache_keys.without_devices(b"\x0f")  # wire type 7
+  with pytest.raises(ValueError):
+    _cache_keys.without_devices(b"\x0a\x05ab")  # a field running past the end

@@ -14,13 +14,16 @@ uninterrupted run).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import time
 from pathlib import Path
 
 
 def main() -> int:
   started = time.time()
+  faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack, to the log
   p = argparse.ArgumentParser()
   p.add_argument("--steps", type=int, required=True)
   p.add_argument("--out", required=True)
