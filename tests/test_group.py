@@ -40,17 +40,21 @@ def test_no_order_left_is_none():
   assert _group.rekeyed({d: 1 for d in devices}, used, {1}) is None
 
 
-_RING = """
+_CACHED = """
 import json, sys
 import jax, numpy as np
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", int(sys.argv[-2]))
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-if sys.argv[3] == "strip":
+if sys.argv[-1] == "share":  # else JAX's own keys
   from snapstore import _cache_keys
   _cache_keys.share()
+"""
+
+
+_RING = _CACHED + """
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 order = [jax.devices()[int(i)] for i in sys.argv[2].split(",")]
 mesh = Mesh(np.array(order), ("x",))
@@ -78,7 +82,7 @@ def test_a_program_cached_for_one_device_order_runs_right_under_another(tmp_path
 
   def run(order: list[int]) -> dict[int, float]:
     out = subprocess.run([sys.executable, "-c", _RING, str(cache), ",".join(map(str, order)),
-                          "strip" if strip else "keep"],
+                          "8", "share" if strip else "keep"],
                          capture_output=True, text=True, timeout=120, check=True)
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
@@ -92,17 +96,7 @@ def test_a_program_cached_for_one_device_order_runs_right_under_another(tmp_path
     assert programs() == (1 if strip else n + 1)  # stripped: the second run hit
 
 
-_PAIR = """
-import json, sys
-import jax, numpy as np
-jax.config.update("jax_num_cpu_devices", 2)
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-if sys.argv[4] == "share":
-  from snapstore import _cache_keys
-  _cache_keys.share()
+_PAIR = _CACHED + """
 from jax._src import monitoring
 hits = []
 monitoring.register_event_listener(
@@ -133,7 +127,7 @@ def test_every_process_of_a_job_finds_the_programs_process_0_cached(tmp_path, sh
       sock.bind(("127.0.0.1", 0))
       address = f"127.0.0.1:{sock.getsockname()[1]}"
     procs = [subprocess.Popen([sys.executable, "-c", _PAIR, str(tmp_path), address, str(p),
-                               "share" if share else "keep"],
+                               "2", "share" if share else "keep"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for p in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
