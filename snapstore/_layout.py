@@ -9,6 +9,7 @@ stored once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -90,22 +91,30 @@ def leaf_spec(path: str, leaf: Any) -> LeafSpec:
   """The stored description of one concrete or abstract leaf; raises
   UnsupportedLeafError (naming the leaf) for what a restore could not read."""
   if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-    if is_key(leaf):
-      data = jax.eval_shape(jax.random.key_data, leaf)
-      impl = leaf.dtype._impl.name  # the registered name, e.g. "threefry2x32"
-      spec = LeafSpec(path, LeafKind.KEY, str(data.dtype), tuple(data.shape), impl)
-    else:
-      spec = LeafSpec(path, LeafKind.ARRAY, str(leaf.dtype), tuple(leaf.shape))
-  elif isinstance(leaf, (np.ndarray, np.generic)):
-    spec = LeafSpec(path, LeafKind.NUMPY, str(leaf.dtype), tuple(np.shape(leaf)))
-  elif leaf is None or isinstance(leaf, SCALAR_TYPES):
+    return _array_spec(path, leaf.dtype, tuple(leaf.shape))
+  if isinstance(leaf, (np.ndarray, np.generic)):
+    return _checked(path, LeafSpec(path, LeafKind.NUMPY, str(leaf.dtype), tuple(np.shape(leaf))))
+  if leaf is None or isinstance(leaf, SCALAR_TYPES):
     check_scalar(path, leaf)
     return LeafSpec(path, LeafKind.SCALAR)
-  else:
-    raise errors.UnsupportedLeafError(
-        f"leaf {path!r} has unsupported type {type(leaf).__name__}; snapstore "
-        "stores jax.Array, typed PRNG keys, numpy arrays and bool/int/float/str/None",
-        leaf=path)
+  raise errors.UnsupportedLeafError(
+      f"leaf {path!r} has unsupported type {type(leaf).__name__}; snapstore "
+      "stores jax.Array, typed PRNG keys, numpy arrays and bool/int/float/str/None",
+      leaf=path)
+
+
+@functools.lru_cache(maxsize=65536)
+def _array_spec(path: str, dtype: Any, shape: tuple[int, ...]) -> LeafSpec:
+  """A jax.Array's spec: the same on every save of a state, so computed once
+  (a typed key's ``key_data`` shape takes an ``eval_shape``)."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+    impl = dtype._impl.name  # the registered name, e.g. "threefry2x32"
+    return _checked(path, LeafSpec(path, LeafKind.KEY, str(data.dtype), tuple(data.shape), impl))
+  return _checked(path, LeafSpec(path, LeafKind.ARRAY, str(dtype), shape))
+
+
+def _checked(path: str, spec: LeafSpec) -> LeafSpec:
   try:
     check_spec(spec)
   except ValueError as e:
@@ -149,19 +158,39 @@ def check_scalar(path: str, value: Any) -> None:
 
 def flatten(tree: Any) -> tuple[list[LeafSpec], list[Any], Any]:
   """Returns (specs, leaves, treedef) of a state pytree."""
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  specs = [leaf_spec(path_str(p), leaf) for p, leaf in with_path]
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  paths = _paths(tree, treedef)
+  return [leaf_spec(p, leaf) for p, leaf in zip(paths, leaves)], leaves, treedef
+
+
+_PATHS: dict[Any, tuple[str, ...]] = {}  # treedef -> its leaves' checked key paths
+
+
+def _paths(tree: Any, treedef: Any) -> tuple[str, ...]:
+  """The key paths of ``tree``'s leaves: a function of the tree's structure
+  alone, so computed (and checked) once per structure, not on every save."""
+  try:
+    paths = _PATHS.get(treedef)
+  except TypeError:  # a custom node with unhashable metadata
+    paths = None
+  if paths is not None:
+    return paths
+  with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+  paths = tuple(path_str(p) for p, _ in with_path)
   seen: set[str] = set()
-  for s in specs:
-    if s.path in seen:
+  for path in paths:
+    if path in seen:
       raise errors.UnsupportedLeafError(
-          f"two leaves share the key path {s.path!r} (a key containing '/'?); rename one",
-          leaf=s.path)
-    if not _utf8(s.path):
-      raise errors.UnsupportedLeafError(f"leaf path {s.path!r} is not valid UTF-8",
-                                        leaf=s.path)
-    seen.add(s.path)
-  return specs, [leaf for _, leaf in with_path], treedef
+          f"two leaves share the key path {path!r} (a key containing '/'?); rename one",
+          leaf=path)
+    if not _utf8(path):
+      raise errors.UnsupportedLeafError(f"leaf path {path!r} is not valid UTF-8", leaf=path)
+    seen.add(path)
+  with contextlib.suppress(TypeError):
+    if len(_PATHS) >= 64:
+      _PATHS.clear()
+    _PATHS[treedef] = paths
+  return paths
 
 
 def spec_row(s: LeafSpec) -> list[Any]:
@@ -183,6 +212,11 @@ def spec_from_row(row: Any) -> LeafSpec:
 
 def tree_digest(specs: Sequence[LeafSpec]) -> str:
   """A digest of paths, kinds, dtypes and shapes: equal trees, equal digests."""
+  return _tree_digest(tuple(specs))
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_digest(specs: tuple[LeafSpec, ...]) -> str:
   rows = [spec_row(s) for s in specs]
   return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:32]
 
@@ -229,6 +263,23 @@ def _piece_plan(leaf_idx: int, sharding: jax.sharding.Sharding, shape: tuple[int
   return tuple(out.values())
 
 
+_POSITIONS: dict[jax.sharding.Sharding, dict[int, int]] = {}
+
+
+def positions(arr: jax.Array) -> dict[int, int]:
+  """device id -> position in ``arr.addressable_data``. JAX orders an array's
+  shards by its sharding's device assignment, so the map is one per sharding
+  (``addressable_shards`` builds a Shard object per device: too slow to call
+  for every leaf of every save)."""
+  pos = _POSITIONS.get(arr.sharding)
+  if pos is None:
+    pos = {s.device.id: i for i, s in enumerate(arr.addressable_shards)}
+    if len(_POSITIONS) >= 4096:
+      _POSITIONS.clear()
+    _POSITIONS[arr.sharding] = pos
+  return pos
+
+
 def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.Array]]:
   """(piece, single-device data) for each distinct addressable index of ``arr``.
 
@@ -236,8 +287,8 @@ def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.A
   ``jax.random.key_data(leaf)``.
   """
   plan = _piece_plan(leaf_idx, arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize)
-  by_device = {s.device.id: s for s in arr.addressable_shards}
-  return [(piece, by_device[dev].data) for dev, piece in plan]
+  pos = positions(arr)
+  return [(piece, arr.addressable_data(pos[dev])) for dev, piece in plan]
 
 
 def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _group
 from ._index import Index, normalize
+from ._layout import positions
 
 
 def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) -> dict[int, int]:
@@ -116,7 +117,18 @@ _AXIS = "snapstore_devices"
 
 def _device_mesh() -> Mesh:
   """All devices on one axis, in the order every process agrees on."""
-  return Mesh(np.array(_group.devices()), (_AXIS,))
+  return _mesh_of(tuple(_group.devices()))
+
+
+@functools.lru_cache(maxsize=16)
+def _mesh_of(devices: tuple[jax.Device, ...]) -> Mesh:
+  return Mesh(np.array(devices), (_AXIS,))
+
+
+@functools.lru_cache(maxsize=16)
+def _rows(mesh: Mesh) -> NamedSharding:
+  """One object per mesh: JAX caches device sets on a sharding object."""
+  return NamedSharding(mesh, P(_AXIS))
 
 
 def ring_permutable(arr: jax.Array) -> bool:
@@ -194,11 +206,13 @@ def ring_permute(arrays: Sequence[jax.Array],
   mesh = _device_mesh()
   pos = {d: i for i, d in enumerate(mesh.devices.flat)}
   stacked, blocks = [], []
+  rows = _rows(mesh)
   for a in arrays:
     shard = tuple(a.sharding.shard_shape(tuple(a.shape))) or (1,)
-    datas = [sh.data if sh.data.ndim else sh.data.reshape(1) for sh in a.addressable_shards]
+    datas = [a.addressable_data(i) for i in range(len(positions(a)))]
+    datas = datas if a.ndim else [d.reshape(1) for d in datas]
     stacked.append(jax.make_array_from_single_device_arrays(
-        (shard[0] * mesh.size, *shard[1:]), NamedSharding(mesh, P(_AXIS)), datas))
+        (shard[0] * mesh.size, *shard[1:]), rows, datas))
     blocks.append(jax.ShapeDtypeStruct(shard, a.dtype))
   groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
   for i, p in enumerate(perms):

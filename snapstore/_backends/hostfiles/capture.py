@@ -18,6 +18,7 @@ sources so the next step may donate again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 from ... import _faults, _group, _parity
 from ..._checksum import chunk_seeds, copy_crc, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
-from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches
+from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, positions
 from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
                            ring_permutable, ring_permute)
 
@@ -77,16 +78,31 @@ class Transfer:
   def received(self, out: jax.Array) -> list[tuple[Piece, jax.Array]]:
     """(piece, data) for each shard this host received in ``out``, the
     permuted copy of ``arr`` laid out one shard per device."""
-    inverse = {d: s for s, d in self.perm.items()}
-    idx_map = self.arr.sharding.devices_indices_map(tuple(self.arr.shape))
+    plan = _received_plan(self.arr.sharding, self.replica_sharding, tuple(self.arr.shape),
+                          out.sharding, np.dtype(self.arr.dtype).itemsize)
+    pos = positions(out)
     pieces = []
-    for shard in out.addressable_shards:
-      src = inverse[shard.device]
-      index = normalize(idx_map[src], tuple(self.arr.shape))
+    for device_id, index, nbytes in plan:
+      data = out.addressable_data(pos[device_id])
       shape = tuple(b - a for a, b in index)
-      data = shard.data if shard.data.shape == shape else shard.data.reshape(shape)
-      pieces.append((Piece(self.leaf, index, data.nbytes), data))
+      data = data if data.shape == shape else data.reshape(shape)
+      pieces.append((Piece(self.leaf, index, nbytes), data))
     return pieces
+
+
+@functools.lru_cache(maxsize=4096)
+def _received_plan(src: jax.sharding.NamedSharding, dst: jax.sharding.NamedSharding,
+                   shape: tuple[int, ...], out: jax.sharding.Sharding, itemsize: int
+                   ) -> tuple[tuple[int, Index, int], ...]:
+  """(receiving device id, global index, bytes) of each shard ``out`` holds
+  here: the same for every save of a leaf, so computed once."""
+  inverse = dict(zip(dst.mesh.devices.flat, src.mesh.devices.flat))
+  idx_map = src.devices_indices_map(shape)
+  plan = []
+  for device in out.addressable_devices:
+    index = normalize(idx_map[inverse[device]], shape)
+    plan.append((device.id, index, index_nbytes(index, itemsize)))
+  return tuple(sorted(plan))
 
 
 def _bytes_of(x: np.ndarray) -> np.ndarray:
