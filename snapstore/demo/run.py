@@ -34,10 +34,15 @@ from typing import Any
 
 import numpy as np
 
+from .. import recovery
 from .._backends.hostfiles.store import host_dir, read_progress
 from ..launch import Incarnation, Kill, launch
 
 HOSTS, DEVICES_PER_HOST, KILLED_HOST = 4, 2, 1
+# In place, a survivor can wait this long to see a peer's death (gloo, when
+# the peer dies mid-collective; recovery.initialize says more). 30 s is the
+# library's default, sized for cold compiles; the demo's last run is warm.
+IN_PLACE_COLLECTIVE_TIMEOUT_S = 10
 Progress = Callable[[str, int], None]
 
 
@@ -54,6 +59,8 @@ def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: b
   out = work / name
   out.mkdir()
   store = work / f"store-{name}"
+  if in_place:  # the compile cache is warm by now: processes start steps together
+    env = dict(env, **{recovery.COLLECTIVE_TIMEOUT_ENV: str(IN_PLACE_COLLECTIVE_TIMEOUT_S)})
   done = threading.Event()
 
   def poll() -> None:  # progress from host 0's store, while the job runs.

@@ -122,6 +122,7 @@ class HostStore:
     self.keep = keep
     self.budget_bytes = budget_bytes
     self.num_slots = keep + 1
+    self._slot_size = 0  # the size of the last slot reserved
     self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
     self._inodes: dict[int, int] = {}  # slot -> inode of the file we mapped
     # path -> ((mtime_ns, size, ino), manifest or why not): decode each file
@@ -172,6 +173,11 @@ class HostStore:
     cannot hold the newest complete snapshot and this one, StoreError if the
     store cannot be written."""
     size = align(max(snapshot_bytes, 1))
+    if size <= self._slot_size <= 2 * size:
+      # Sizes that alternate (replicas with every other snapshot) share one
+      # slot size, the larger: free slots are reused, not remade every save.
+      size = self._slot_size
+    self._slot_size = size
     self.num_slots = _planner.slot_count(size, keep=self.keep, budget_bytes=self.budget_bytes,
                                          where=f"the host store of host {self.host}")
     valid = sorted(_planner.fence(self.manifests()), key=lambda m: m.step)
