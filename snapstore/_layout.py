@@ -287,8 +287,17 @@ def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.A
   ``jax.random.key_data(leaf)``.
   """
   plan = _piece_plan(leaf_idx, arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize)
-  pos = positions(arr)
-  return [(piece, arr.addressable_data(pos[dev])) for dev, piece in plan]
+  return [(piece, data_on(arr, dev)) for dev, piece in plan]
+
+
+def data_on(arr: jax.Array, device_id: int) -> jax.Array:
+  """``arr``'s shard on device ``device_id``, by its position (checked: a
+  replicated array hands out one device's copy for every position, the same
+  bytes)."""
+  data = arr.addressable_data(positions(arr)[device_id])
+  if next(iter(data.devices())).id == device_id or arr.is_fully_replicated:
+    return data
+  return next(s.data for s in arr.addressable_shards if s.device.id == device_id)
 
 
 def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:

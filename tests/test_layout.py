@@ -65,3 +65,17 @@ def test_a_structure_refused_once_is_refused_every_time():
   for _ in range(2):  # a spec refused for its dtype, under a structure already seen
     with pytest.raises(errors.UnsupportedLeafError, match="'a'"):
       flatten({"a": np.zeros(2, np.dtype("U3"))})
+
+
+def test_a_shard_is_checked_against_its_device_not_trusted_by_position(mesh, monkeypatch):
+  from snapstore import _layout  # noqa: PLC0415
+  sharding = NamedSharding(mesh, P("x", "y"))
+  host = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+  arr = jax.device_put(host, sharding)
+  true = _layout.positions(arr)
+  ids = sorted(true)
+  lying = {d: true[ids[(k + 1) % len(ids)]] for k, d in enumerate(ids)}  # off by one
+  monkeypatch.setitem(_layout._POSITIONS, sharding, lying)
+  for piece, data in addressable_pieces(0, arr):
+    window = tuple(slice(a, b) for a, b in piece.index)
+    np.testing.assert_array_equal(np.asarray(data), host[window])

@@ -29,7 +29,7 @@ import numpy as np
 from ... import _faults, _group, _parity
 from ..._checksum import chunk_seeds, copy_crc, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
-from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, positions
+from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, data_on
 from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
                            ring_permutable, ring_permute)
 
@@ -80,10 +80,9 @@ class Transfer:
     permuted copy of ``arr`` laid out one shard per device."""
     plan = _received_plan(self.arr.sharding, self.replica_sharding, tuple(self.arr.shape),
                           out.sharding, np.dtype(self.arr.dtype).itemsize)
-    pos = positions(out)
     pieces = []
     for device_id, index, nbytes in plan:
-      data = out.addressable_data(pos[device_id])
+      data = data_on(out, device_id)
       shape = tuple(b - a for a, b in index)
       data = data if data.shape == shape else data.reshape(shape)
       pieces.append((Piece(self.leaf, index, nbytes), data))
