@@ -83,10 +83,6 @@ def path_str(path: Sequence[Any]) -> str:
   return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or "<root>"
 
 
-def is_key(x: Any) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def leaf_spec(path: str, leaf: Any) -> LeafSpec:
   """The stored description of one concrete or abstract leaf; raises
   UnsupportedLeafError (naming the leaf) for what a restore could not read."""

@@ -22,7 +22,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _group
 from ._index import Index, normalize
-from ._layout import positions
 
 
 def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) -> dict[int, int]:
@@ -209,7 +208,7 @@ def ring_permute(arrays: Sequence[jax.Array],
   rows = _rows(mesh)
   for a in arrays:
     shard = tuple(a.sharding.shard_shape(tuple(a.shape))) or (1,)
-    datas = [a.addressable_data(i) for i in range(len(positions(a)))]
+    datas = [a.addressable_data(i) for i in range(len(a.sharding.addressable_devices))]
     datas = datas if a.ndim else [d.reshape(1) for d in datas]
     stacked.append(jax.make_array_from_single_device_arrays(
         (shard[0] * mesh.size, *shard[1:]), rows, datas))

@@ -7,14 +7,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from snapstore._layout import is_key
-
 
 def host_copy(tree: Any) -> Any:
   """A numpy copy of every array leaf (keys as key_data); scalars as they are."""
   def one(x):
     if isinstance(x, jax.Array):
-      return np.array(jax.random.key_data(x) if is_key(x) else x, copy=True)
+      return np.array(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, copy=True)
     if isinstance(x, (np.ndarray, np.generic)):
       return np.array(x, copy=True)
     return x

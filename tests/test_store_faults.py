@@ -213,3 +213,29 @@ def test_missing_persistent_step_is_a_clear_error(trainer, store_dir, tmp_path):
     train_and_save(trainer, mgr, range(1, 3))
     with pytest.raises(snapstore.StepNotFoundError, match="step 9"):
       mgr.restore(trainer.abstract_state(), step=9)
+
+
+def test_alternating_snapshot_sizes_reuse_slots_and_a_real_shrink_does_not(store_dir):
+  """Replicas with every other snapshot make sizes alternate: the store keeps
+  one slot size (the larger) instead of remaking a slot file every save; a
+  state that shrinks to under half gets slots of its own size."""
+  import os  # noqa: PLC0415
+
+  from snapstore._backends.hostfiles.store import HostStore, host_dir  # noqa: PLC0415
+  store = HostStore(host_dir(store_dir, "r", 0), run_id="r", host=0, keep=2,
+                    budget_bytes=None)
+
+  def files() -> dict[str, tuple[int, int]]:
+    return {e.name: (e.inode(), e.stat().st_size) for e in os.scandir(store.root)
+            if e.name.startswith("slot")}
+  small, big = 3 << 12, 5 << 12
+  for step, size in enumerate([big, small, big, small]):
+    store.reserve(step, size)
+  settled = files()
+  assert settled and {s for _, s in settled.values()} == {big}
+  for step, size in enumerate([big, small] * 3, start=4):
+    slot = store.reserve(step, size)
+    assert store.slot_buffer(slot).nbytes >= size
+  assert files() == settled  # the same files, none remade
+  store.reserve(10, 1 << 12)  # under half: its own size
+  assert {s for _, s in files().values()} == {1 << 12}

@@ -41,7 +41,9 @@ from ..launch import Incarnation, Kill, launch
 HOSTS, DEVICES_PER_HOST, KILLED_HOST = 4, 2, 1
 # In place, a survivor can wait this long to see a peer's death (gloo, when
 # the peer dies mid-collective; recovery.initialize says more). 30 s is the
-# library's default, sized for cold compiles; the demo's last run is warm.
+# library's default, sized for cold compiles on a loaded machine; here each
+# step starts behind live()'s barrier with its programs compiled, and the
+# largest skew left is the first save's permute compile (~1 s a program).
 IN_PLACE_COLLECTIVE_TIMEOUT_S = 10
 Progress = Callable[[str, int], None]
 
@@ -59,7 +61,7 @@ def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: b
   out = work / name
   out.mkdir()
   store = work / f"store-{name}"
-  if in_place:  # the compile cache is warm by now: processes start steps together
+  if in_place:
     env = dict(env, **{recovery.COLLECTIVE_TIMEOUT_ENV: str(IN_PLACE_COLLECTIVE_TIMEOUT_S)})
   done = threading.Event()
 
