@@ -47,7 +47,9 @@ class Kill:
   """SIGKILL ``host`` in incarnation ``incarnation`` once it reaches ``step``.
 
   ``phase`` None: the supervisor kills it when its store's PROGRESS reports
-  ``step`` (it is then in that step's save or the next train step). A phase
+  ``step`` (it is then in that step's save or the next train step), or
+  ``delay_s`` seconds later: a real host fails at any moment, not in step with
+  the job's progress file. A phase
   (``step``, ``capture``, ``replica``, ``manifest``, ``restore``; see ``_faults``): the
   process SIGKILLs itself at that point of that step. Kills of one
   incarnation at the same step fire together. ``lose_store`` also wipes the
@@ -59,8 +61,13 @@ class Kill:
   incarnation: int = 0
   lose_store: bool = False
   phase: str | None = None
+  delay_s: float = 0.0
 
   def __post_init__(self) -> None:
+    if not 0.0 <= self.delay_s < float("inf"):
+      raise ValueError(f"delay_s must be a finite number >= 0, got {self.delay_s!r}")
+    if self.delay_s and self.phase is not None:
+      raise ValueError("delay_s is for supervisor kills; a phase kill fires at its phase")
     if self.phase is not None and self.phase not in _faults.PHASES:
       raise ValueError(f"unknown phase {self.phase!r}; one of {_faults.PHASES}")
 
@@ -269,6 +276,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
                                 stdout=log, stderr=subprocess.STDOUT)
 
     procs = {h: start(h) for h in range(hosts)}
+    seen_at: dict[int, float] = {}  # step -> when a host to kill there reported it
     failed = False
     while procs.keys() - inc.exit_codes.keys():
       if time.monotonic() > deadline:
@@ -279,11 +287,16 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
           service.shutdown()
         reservation.close()
         raise TimeoutError(f"job did not finish in {timeout_s} s (incarnation {number})")
-      due = [k for k in pending if k.phase is None and
-             read_progress(host_dir(store_dir, run_id, k.host))[0] >= k.step]
-      if due:  # kills at the same step fire together.
+      now = time.monotonic()
+      for k in pending:
+        if (k.phase is None and k.step not in seen_at and
+            read_progress(host_dir(store_dir, run_id, k.host))[0] >= k.step):
+          seen_at[k.step] = now
+      due = [k for k in pending if k.phase is None and k.step in seen_at
+             and now - seen_at[k.step] >= k.delay_s]
+      if due:  # kills at the same step (and delay) fire together.
         step = min(k.step for k in due)
-        for k in [k for k in pending if k.phase is None and k.step == step]:
+        for k in [k for k in due if k.step == step]:
           inc.kill_time = inc.kill_time or time.time()
           procs[k.host].send_signal(signal.SIGKILL)
           procs[k.host].wait()

@@ -53,7 +53,7 @@ from typing import Any
 
 import jax
 
-from . import _cache_keys, _group
+from . import _abort, _cache_keys, _group
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ _ORDERS = "snapstore/orders"  # in the coordination service: every order used
 _FAILED = "snapstore/failed"  # membership/block -> the process whose step failed
 _LEFT = "snapstore/left"  # processes that reached close() and disconnected
 _STALE_TOPOLOGY_KEY = "cpu:global_topology/cpu"
+DEFAULT_ABORT_AFTER_S = 3.0
+_listening_before: set[int] | None = None  # TCP listeners before this process joined
 
 #: Set on CPU: a gloo collective with a dead peer otherwise hangs for 30 min.
 CPU_FLAGS = ("--xla_cpu_collective_timeout_seconds={timeout}",)
@@ -156,8 +158,10 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
   detected in ~1 s). Default: ``$SNAPSTORE_COLLECTIVE_TIMEOUT_S``, else 30.
   Raises :class:`RestartRequired` if this JAX cannot do it.
   """
+  global _listening_before
   if collective_timeout_s is None:
     collective_timeout_s = _timeout_from_env()
+  _listening_before = _abort.listening_ports()  # the gloo listener comes later
   why = unsupported()
   if why:
     raise RestartRequired(f"in-place recovery is off: {why}")
@@ -243,10 +247,16 @@ class InPlace:
       bounded by the supervisor's ``max_replacements``.
     wait_timeout_s: how long to wait for a replacement before giving up the
       same way.
+    abort_after_s (CPU): when this process has been inside one ``live()``
+      block this long and a peer has been silent this long, a watchdog shuts
+      down this process's gloo connections, so that a collective waiting on
+      the dead peer fails now instead of at the collective timeout
+      (:mod:`._abort`). It must exceed the longest a live process can go
+      without running a Python thread. None: off.
   """
 
   def __init__(self, *, max_failures: int = 3, wait_timeout_s: float = 120.0,
-               poll_s: float = 0.05):
+               poll_s: float = 0.05, abort_after_s: float | None = DEFAULT_ABORT_AFTER_S):
     from jax._src import distributed  # noqa: PLC0415
     from jax.experimental.multihost_utils import (  # noqa: PLC0415
         ProcessFailureError, live_devices)
@@ -269,6 +279,17 @@ class InPlace:
     self.changed = False
     self.devices: list[jax.Device] = _group.devices()
     self.recoveries: list[Recovery] = []
+    self._block_since: float | None = None
+    self._order_name: str | None = None  # the order of this membership, by name
+    self._spent: set[str] = set()  # orders this process failed on: never again
+    self.watchdog: _abort.Watchdog | None = None
+    if self._all[0].platform == "cpu":
+      self.watchdog = _abort.Watchdog(
+          self._client, jax.process_index(), jax.process_count(),
+          after_s=abort_after_s or DEFAULT_ABORT_AFTER_S,
+          in_block=lambda: self._block_since, gloo_ports=_gloo_ports())
+      if abort_after_s is not None:
+        self.watchdog.start()
 
   @contextlib.contextmanager
   def live(self) -> Iterator[list[jax.Device]]:
@@ -291,7 +312,7 @@ class InPlace:
                              "devices are not live")
       try:
         self.changed = self._dirty or key != self._key
-        if key != self._key:
+        if key != self._key or self._order_name in self._spent:
           self.devices = self._order_for(key, incarnations)
           _group.set_devices(self.devices)
           self.generation += 1
@@ -301,7 +322,11 @@ class InPlace:
           self.recoveries[-1].generation = self.generation
         self._dirty = False
         self._waiting_since = None
-        yield self.devices
+        self._block_since = time.monotonic()
+        try:
+          yield self.devices
+        finally:
+          self._block_since = None
       except Exception:  # tell the others before the exit barrier
         with contextlib.suppress(Exception):
           self._client.key_value_set(failure, str(jax.process_index()))
@@ -319,39 +344,33 @@ class InPlace:
                  incarnations: dict[jax.Device, int]) -> list[jax.Device]:
     """The device order of membership ``key``. The job's first membership
     keeps JAX's default order (a job that never fails runs exactly as
-    without in-place recovery); a later one is re-keyed against every order
-    the job used before, which the coordination service keeps for
-    processes that just joined."""
-    # A group (ordered device list) may be used again only with the same
-    # process incarnations behind its devices: gloo keys communicators and
-    # their rendezvous by the device list alone, so a group last used with a
-    # dead incarnation (or half set up when a process died) fails forever.
-    current = dict(key)
-    docs = [json.loads(value) for _, value in self._client.key_value_dir_get(_ORDERS)]
-    mine = [d for d in docs if tuple(tuple(m) for m in d["members"]) == key]
-    if mine:  # another member of this membership chose already
-      by_id = {d.id: d for d in self._all}
-      return self._publish(key, [by_id[i] for i in mine[0]["order"]])
-    stale: set[tuple[int, ...]] = set()
-    for doc in docs:
-      then = {i: inc for i, inc in doc["members"]}
-      stale |= {c for c in _group.cliques(doc["order"])
-                if any(then.get(i) != current.get(i) for i in c)}
+    without in-place recovery); a later one (or the same one after a failed
+    step) is drawn so that none of its device groups was used before."""
+    # gloo keys communicators and their rendezvous by the ordered device
+    # list alone, and XLA keeps them: a group last used with a dead process,
+    # or one whose connections a failure shut (failed(), ._abort), fails
+    # forever, and one that failed mid-operation would meet leftover bytes.
+    # The coordination service keeps every order, for processes that join.
+    docs = {name.rsplit("/", 1)[-1]: json.loads(value)
+            for name, value in self._client.key_value_dir_get(_ORDERS)}
+    same = sorted(n for n, d in docs.items() if tuple(tuple(m) for m in d["members"]) == key)
+    fresh = [n for n in same if n not in self._spent]
+    by_id = {d.id: d for d in self._all}
+    if fresh:  # another member of this membership chose already
+      self._order_name = fresh[0]
+      return [by_id[i] for i in docs[fresh[0]]["order"]]
     order = _group.devices()
-    if docs:  # not the job's first membership: a draw every process makes alike
-      order = _group.rekeyed(incarnations, stale, set(current))
+    if docs:  # a draw every process makes alike, from the same orders
+      stale = set().union(*(_group.cliques(d["order"]) for d in docs.values()))
+      order = _group.rekeyed(incarnations, stale, {d.id for d in self._all})
       if order is None:
-        raise RestartRequired("no device order is left whose every group is new or "
-                              "was last used by the same processes; a full restart "
-                              "clears the old communicators")
-    return self._publish(key, order)
-
-  def _publish(self, key: tuple[tuple[int, int], ...],
-               order: list[jax.Device]) -> list[jax.Device]:
-    entry = json.dumps({"members": key, "order": [d.id for d in order]})
+        raise RestartRequired(f"no device order is left whose every group is new after "
+                              f"{len(docs)} memberships; a full restart clears the old "
+                              "communicators")
+    self._order_name = hashlib.sha256(repr((key, len(same))).encode()).hexdigest()
     with contextlib.suppress(Exception):  # ALREADY_EXISTS: another process wrote it
-      self._client.key_value_set(f"{_ORDERS}/{hashlib.sha256(repr(key).encode()).hexdigest()}",
-                                 entry)
+      self._client.key_value_set(f"{_ORDERS}/{self._order_name}", json.dumps(
+          {"members": key, "order": [d.id for d in order]}))
     return order
 
   def close(self, timeout_s: float = 120.0) -> None:
@@ -361,6 +380,8 @@ class InPlace:
     unless the supervisor hosts it) could exit while others still talk to it,
     and they would abort."""
     from jax._src import distributed  # noqa: PLC0415
+    if self.watchdog is not None:
+      self.watchdog.stop()
     self._client.wait_at_barrier("snapstore/done", int(timeout_s * 1000))
     if distributed.global_state.service is None:  # the service is elsewhere
       self._client.key_value_set(f"{_LEFT}/{jax.process_index()}", "1")
@@ -385,6 +406,14 @@ class InPlace:
       time.sleep(self.poll_s)
       return
     self._dirty = True
+    if self._order_name is not None:
+      self._spent.add(self._order_name)
+    if self.watchdog is not None:
+      # A communicator that failed mid-operation (or is still running one on
+      # a background thread) must never carry the next collective: leftover
+      # bytes would meet it (gloo aborts the process). Shut them all; the
+      # next order uses only new groups (_order_for).
+      self.watchdog.abort(f"step failed ({type(error).__name__})")
     if self._entered != self._failed_key:  # a new membership failed: count anew
       self._failed_key, self._in_a_row = self._entered, 0
     self._in_a_row += 1
@@ -393,3 +422,13 @@ class InPlace:
     if self._in_a_row >= self.max_failures:
       raise RestartRequired(f"{self._in_a_row} failed steps in a row; the last: "
                             f"{self.recoveries[-1].error}") from error
+
+
+def _gloo_ports() -> set[int]:
+  """This process's gloo listener ports: the TCP listeners that appeared
+  since :func:`initialize` (the backend, started by ``jax.devices()``, opens
+  gloo's), less the coordination service's."""
+  from jax._src import distributed  # noqa: PLC0415
+  service = (distributed.global_state.coordinator_address or "").rsplit(":", 1)[-1]
+  ports = _abort.listening_ports() - (_listening_before or set())
+  return {p for p in ports if str(p) != service}

@@ -31,3 +31,10 @@ def test_a_kill_whose_store_the_supervisor_cannot_see_is_an_error(tmp_path, stor
                                      str(worker_store)],
            num_hosts=2, devices_per_host=1, store_dir=store_dir, run_id="job",
            kills=[Kill(host=1, step=2)], timeout_s=180, log_dir=tmp_path)
+
+
+@pytest.mark.parametrize("bad", [{"delay_s": -1.0}, {"delay_s": float("nan")},
+                                 {"delay_s": 0.5, "phase": "step"}])
+def test_a_kill_delay_must_be_finite_and_for_supervisor_kills(bad):
+  with pytest.raises(ValueError, match="delay_s"):
+    Kill(host=1, step=3, **bad)

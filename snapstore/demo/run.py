@@ -34,17 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import recovery
 from .._backends.hostfiles.store import host_dir, read_progress
 from ..launch import Incarnation, Kill, launch
 
 HOSTS, DEVICES_PER_HOST, KILLED_HOST = 4, 2, 1
-# In place, a survivor can wait this long to see a peer's death (gloo, when
-# the peer dies mid-collective; recovery.initialize says more). 30 s is the
-# library's default, sized for cold compiles on a loaded machine; here each
-# step starts behind live()'s barrier with its programs compiled, and the
-# largest skew left is the first save's permute compile (~1 s a program).
-IN_PLACE_COLLECTIVE_TIMEOUT_S = 10
 Progress = Callable[[str, int], None]
 
 
@@ -57,12 +50,11 @@ RUNS = {  # name -> (snapshots, in place)
 
 def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: bool,
          kill_step: int, checkpoint_every: int, total_steps: int, step_s: float,
-         replica_interval: int, env: dict[str, str], progress: Progress) -> dict[str, Any]:
+         replica_interval: int, env: dict[str, str], progress: Progress,
+         kill_delay_s: float = 0.0) -> dict[str, Any]:
   out = work / name
   out.mkdir()
   store = work / f"store-{name}"
-  if in_place:
-    env = dict(env, **{recovery.COLLECTIVE_TIMEOUT_ENV: str(IN_PLACE_COLLECTIVE_TIMEOUT_S)})
   done = threading.Event()
 
   def poll() -> None:  # progress from host 0's store, while the job runs.
@@ -79,7 +71,7 @@ def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: b
                    "--snapshots", "1" if snapshots else "0", "--no-digest-restore",
                    "--min-step-s", str(step_s), "--replica-interval", str(replica_interval)],
                   num_hosts=HOSTS, devices_per_host=DEVICES_PER_HOST, store_dir=store,
-                  run_id="demo", kills=[Kill(KILLED_HOST, kill_step, lose_store=True)],
+                  run_id="demo", kills=[Kill(KILLED_HOST, kill_step, lose_store=True, delay_s=kill_delay_s)],
                   timeout_s=600, log_dir=out, env=env, in_place=in_place)
   finally:
     done.set()

@@ -168,6 +168,7 @@ def main() -> int:
             os._exit(recovery.RESTART_EXIT_CODE)
           finally:
             report["recoveries"] = [r.as_dict() for r in job.recoveries]
+            report["aborts"] = job.watchdog.aborts if job.watchdog else []
     mgr.wait_until_finished()
   write()
   if in_place:

@@ -1,0 +1,200 @@
+"""Ending a CPU collective that waits on a dead peer (gloo).
+
+On GPU, JAX aborts the NCCL communicators when a process fails. XLA's CPU
+communicators cannot be aborted (jaxlib: "Aborting communicator is not
+implemented"), and a survivor blocked in a gloo collective whose data was to
+come through the dead process waits out the whole collective timeout. That
+was the demo's detection tail: 10 s (the timeout) in most in-place runs,
+against ~1 s when the barrier saw the death first.
+
+Gloo fails a collective at once when one of its connections closes. So each
+process of an in-place job runs a :class:`Watchdog`: a thread that beats in
+the coordination service every ``period_s``, and, when this process has been
+inside one ``live()`` block for longer than ``after_s`` while some peer's
+beat is older than ``after_s``, shuts down this process's gloo connections:
+the ones accepted by its gloo listener and the ones to its peers' listeners
+(each beat carries its process's listener ports). The blocked collective
+raises ``Connection closed by peer`` and the step's failure path runs.
+
+Every communicator the process holds is spent then, and so are its peers'
+communicators with it. :class:`snapstore.recovery.InPlace` shuts them on
+every failed step anyway (a communicator that failed mid-operation would
+meet leftover bytes), and never uses a device group of an earlier order
+again.
+
+Beats compare wall clocks across processes: hosts must agree on the time to
+well under ``after_s`` (NTP does). Linux only (``/proc``); elsewhere the
+watchdog beats but cannot shut anything down, and the collective timeout
+stays the bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+BEATS = "snapstore/beats"  # in the coordination service: process -> its last beat
+_LISTEN, _ESTABLISHED, _CLOSE_WAIT = "0A", "01", "08"
+
+
+@dataclasses.dataclass(frozen=True)
+class Connection:
+  fd: int
+  local_port: int
+  remote_port: int
+  state: str  # /proc/net/tcp's hex state
+
+
+def connections() -> list[Connection]:
+  """This process's TCP sockets (IPv4 and IPv6), from ``/proc``; [] elsewhere."""
+  fds: dict[str, int] = {}
+  try:
+    names = os.listdir("/proc/self/fd")
+  except OSError:
+    return []
+  for name in names:
+    with contextlib.suppress(OSError):
+      target = os.readlink(f"/proc/self/fd/{name}")
+      if target.startswith("socket:["):
+        fds[target[8:-1]] = int(name)
+  out = []
+  for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    try:
+      with open(table) as f:
+        rows = f.read().splitlines()[1:]
+    except OSError:
+      continue
+    for row in rows:
+      cols = row.split()
+      if len(cols) > 9 and cols[9] in fds:
+        out.append(Connection(fds[cols[9]], int(cols[1].rsplit(":", 1)[1], 16),
+                              int(cols[2].rsplit(":", 1)[1], 16), cols[3]))
+  return out
+
+
+def listening_ports() -> set[int]:
+  return {c.local_port for c in connections() if c.state == _LISTEN}
+
+
+def shut_down(own_ports: set[int], peer_ports: set[int]) -> int:
+  """Shuts down every connected socket of this process accepted on one of
+  ``own_ports`` or connected to one of ``peer_ports``; returns how many."""
+  done = 0
+  for c in connections():
+    if c.state == _LISTEN or not (c.local_port in own_ports or c.remote_port in peer_ports):
+      continue
+    try:
+      s = socket.socket(fileno=os.dup(c.fd))
+    except OSError:
+      continue  # closed since it was listed
+    try:
+      s.shutdown(socket.SHUT_RDWR)  # acts on the socket, not on this fd: gloo sees it
+      done += 1
+    except OSError:
+      pass  # not connected any more
+    finally:
+      s.close()
+  return done
+
+
+class Watchdog:
+  """Beats for this process and ends its collectives when a peer went silent
+  while this process is stuck in a block (module docstring).
+
+  ``in_block()`` returns the ``time.monotonic()`` at which this process
+  entered its current ``live()`` block, or None outside one.
+  ``gloo_ports``: this process's gloo listener ports.
+  """
+
+  def __init__(self, client: Any, process_id: int, processes: int, *, after_s: float,
+               in_block: Callable[[], float | None], gloo_ports: set[int],
+               period_s: float = 0.25) -> None:
+    if not after_s > period_s:
+      raise ValueError(f"after_s ({after_s}) must exceed the beat period ({period_s})")
+    self._client, self._id, self._processes = client, process_id, processes
+    self.after_s, self.period_s = after_s, period_s
+    self._in_block, self.gloo_ports = in_block, set(gloo_ports)
+    self._fired_for: float | None = None
+    self._started = time.time()
+    self._failing = ""
+    self.aborts: list[dict[str, Any]] = []
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="snapstore-watchdog", daemon=True)
+    # A token per process: a replacement beats under the same id.
+    self._beat = {"ports": sorted(self.gloo_ports),
+                  "process": f"{socket.gethostname()}/{os.getpid()}/{time.time_ns()}"}
+    self._block: tuple[float | None, dict[str, str]] = (None, {})
+    self._peer_ports: set[int] = set()
+
+  def start(self) -> Watchdog:
+    """Starts beating and watching (:meth:`abort` works without it)."""
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join()
+
+  def _run(self) -> None:
+    while not self._stop.wait(self.period_s):
+      try:
+        self.check()
+        self._failing = ""
+      except Exception as e:  # noqa: BLE001  (the service is gone, or leaving)
+        if repr(e) != self._failing:  # once per kind, not every beat
+          logger.warning("watchdog of process %d: %r", self._id, e)
+          self._failing = repr(e)
+
+  def check(self) -> None:
+    """One beat, and the stuck-and-silent test; the thread calls it."""
+    self._client.key_value_set(f"{BEATS}/{self._id}",
+                               json.dumps({**self._beat, "t": time.time()}),
+                               allow_overwrite=True)
+    since = self._in_block()
+    if since is None or since == self._fired_for:
+      return
+    stalled = time.monotonic() - since >= self.after_s
+    if not stalled and self._block[0] == since:
+      return
+    now, peer_ports = time.time(), set()
+    last = dict.fromkeys(map(str, range(self._processes)), self._started)  # none yet: since
+    tokens: dict[str, str] = {}                                  # this watchdog started
+    for key, raw in self._client.key_value_dir_get(BEATS):
+      beat, peer = json.loads(raw), key.rsplit("/", 1)[-1]
+      last[peer], tokens[peer] = float(beat["t"]), beat["process"]
+      peer_ports.update(beat["ports"])
+    if self._block[0] != since:  # who was in the job when this block began
+      self._block = (since, tokens)
+    if not stalled:
+      return
+    # A replacement beats under its predecessor's id: a new token is a death too.
+    silent = {peer: ("replaced" if self._block[1].get(peer, token) != token
+                     else round(now - last[peer], 2))
+              for peer, token in tokens.items() if peer != str(self._id)}
+    silent.update({peer: round(now - t, 2) for peer, t in last.items() if peer not in tokens})
+    silent = {peer: why for peer, why in silent.items()
+              if why == "replaced" or why > self.after_s}
+    if not silent:
+      return
+    self._fired_for = since
+    self._peer_ports = peer_ports
+    self.abort(f"stuck {time.monotonic() - since:.1f} s in a step while process(es) "
+               f"{silent} are silent")
+
+  def abort(self, why: str) -> None:
+    """Shuts down this process's gloo connections: every collective waiting
+    on one fails now, and every communicator is spent."""
+    n = shut_down(self.gloo_ports, self._peer_ports - self.gloo_ports)
+    self.aborts.append({"at": time.time(), "why": why, "sockets": n})
+    logger.warning("process %d: %s; shut down %d gloo connections", self._id, why, n)
