@@ -7,13 +7,16 @@ device sorted by (process, id). After an in-place recovery
 the same (device, process incarnation) pairs: gloo keys its communicators
 (and their rendezvous keys in the coordination service) by the ordered list
 of a collective's devices only, so a process that rejoined with the same id
-would otherwise meet the dead process's communicator and fail forever. The
-new order is drawn so that every group along one axis of a mesh reshaped
-from it (up to 3 axes), and the whole order, is new wherever it holds a
-replacement's device (:func:`rekeyed`). Groups it does not check (over two
-axes at once, transposed meshes) may meet an old communicator: the step
-then keeps failing and :class:`snapstore.recovery.RestartRequired` ends in
-a full restart, never in a wrong state.
+would otherwise meet the dead process's communicator and fail forever, and
+a survivors' communicator that failed mid-operation (or whose connections
+the failure shut, :mod:`._abort`) would meet leftover bytes. The new order
+is drawn so that every group along one axis of a mesh reshaped from it (up
+to 3 axes), and the whole order, is new (:func:`rekeyed`); with 8 devices
+that leaves two such orders after the first, then a full restart. Groups it
+does not check (over two axes at once, transposed meshes) may meet an old
+communicator: the step then keeps failing and
+:class:`snapstore.recovery.RestartRequired` ends in a full restart, never in
+a wrong state.
 """
 
 from __future__ import annotations

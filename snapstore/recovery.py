@@ -19,6 +19,7 @@ others down. :func:`initialize` joins the job in that mode, and
         step += 1
       except job.FAILURES as e:
         job.failed(e)                    # raises RestartRequired after K in a row
+                                         # (live() does too when no order is left)
 
 A survivor keeps its process, its imports, its compiled programs and its RAM
 store. When a host dies, ``live()`` raises on every survivor (the step is
@@ -28,8 +29,14 @@ restores the freshest complete snapshot onto the full mesh, the survivors
 from their own RAM, the replacement from its peers' (``heal``). Continuing
 on fewer devices (``shrink``) is not built.
 
-``devices`` comes in one order all processes agree on, new after each change
-of membership (:mod:`._group` says why); build every mesh from it.
+``devices`` comes in one order all processes agree on, new after each failed
+step (:mod:`._group` says why); build every mesh from it.
+
+On CPU, a survivor can be stuck in a gloo collective whose data was to come
+through the dead process, and XLA cannot abort CPU communicators. A watchdog
+thread (:mod:`._abort`) then shuts the process's gloo connections once it
+has been stuck ``abort_after_s`` with a peer silent or replaced, so the
+collective fails in seconds, not at the collective timeout.
 
 The coordination service normally lives in process 0, so losing process 0
 ends the job. ``snapstore launch --in-place`` hosts it in the supervisor

@@ -78,7 +78,7 @@ def main() -> int:
       hosts_per_domain=a.hosts_per_domain)
   attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))
   report = {"host": host, "incarnation": inc, "attempt": attempt, "pid": os.getpid(),
-            "in_place": in_place, "losses": {}, "digests": {}, "times": {},
+            "in_place": in_place, "losses": {}, "digests": {}, "times": {}, "save_s": {},
             "started": started, "restores": [], "recoveries": [], "phases": []}
 
   def mark(name: str) -> None:  # a timeline of this process, for the demo's report
@@ -109,7 +109,9 @@ def main() -> int:
     if s == start_of_pass[0]:
       mark("first step")
     time.sleep(max(0.0, a.min_step_s - (time.perf_counter() - t_step)))
+    t_save = time.perf_counter()
     mgr.save(s, state)
+    report["save_s"][s] = time.perf_counter() - t_save  # what the loop waits for
     return state, loss
 
   def record(trainer: Trainer, state, s: int, loss: float) -> None:
@@ -157,9 +159,11 @@ def main() -> int:
               record(trainer, state, s + done, loss)
               done += 1
           s += done
-        except job.FAILURES as e:
+        except (*job.FAILURES, recovery.RestartRequired) as e:
           mark(f"failed: {type(e).__name__}")
           try:
+            if isinstance(e, recovery.RestartRequired):  # from live(): no order left
+              raise e
             job.failed(e)
           except recovery.RestartRequired as why:  # launch restarts the whole job
             report["fallback"] = str(why)
