@@ -9,9 +9,11 @@ against ~1 s when the barrier saw the death first.
 
 Gloo fails a collective at once when one of its connections closes. So each
 process of an in-place job runs a :class:`Watchdog`: a thread that beats in
-the coordination service every ``period_s``, and, when this process has been
-inside one ``live()`` block for longer than ``after_s`` while some peer's
-beat is older than ``after_s``, shuts down this process's gloo connections:
+the coordination service every ``period_s`` (with a token of its process),
+and, when this process has been inside one ``live()`` block for longer than
+``after_s`` while some peer's beat is older than ``after_s`` (or for
+``2 * period_s`` while a peer's token changed: its replacement is beating,
+so it died), shuts down this process's gloo connections:
 the ones accepted by its gloo listener and the ones to its peers' listeners
 (each beat carries its process's listener ports). The blocked collective
 raises ``Connection closed by peer`` and the step's failure path runs.
@@ -123,6 +125,7 @@ class Watchdog:
       raise ValueError(f"after_s ({after_s}) must exceed the beat period ({period_s})")
     self._client, self._id, self._processes = client, process_id, processes
     self.after_s, self.period_s = after_s, period_s
+    self.replaced_after_s = min(after_s, 2 * period_s)
     self._in_block, self.gloo_ports = in_block, set(gloo_ports)
     self._fired_for: float | None = None
     self._started = time.time()
@@ -137,7 +140,11 @@ class Watchdog:
     self._peer_ports: set[int] = set()
 
   def start(self) -> Watchdog:
-    """Starts beating and watching (:meth:`abort` works without it)."""
+    """Starts beating and watching (:meth:`abort` works without it). The
+    first beat is written before this returns: a replacement's new token is
+    in the service before it can join a membership, so its peers' blocks
+    start out knowing it (else they would take it for a new death)."""
+    self._write_beat()
     self._thread.start()
     return self
 
@@ -157,16 +164,14 @@ class Watchdog:
           self._failing = repr(e)
 
   def check(self) -> None:
-    """One beat, and the stuck-and-silent test; the thread calls it."""
-    self._client.key_value_set(f"{BEATS}/{self._id}",
-                               json.dumps({**self._beat, "t": time.time()}),
-                               allow_overwrite=True)
+    """One beat, and the stuck-and-gone test; the thread calls it."""
+    self._write_beat()
     since = self._in_block()
     if since is None or since == self._fired_for:
       return
-    stalled = time.monotonic() - since >= self.after_s
-    if not stalled and self._block[0] == since:
-      return
+    stuck = time.monotonic() - since
+    if stuck < self.replaced_after_s and self._block[0] == since:
+      return  # a block that runs its usual course reads nothing
     now, peer_ports = time.time(), set()
     last = dict.fromkeys(map(str, range(self._processes)), self._started)  # none yet: since
     tokens: dict[str, str] = {}                                  # this watchdog started
@@ -176,21 +181,25 @@ class Watchdog:
       peer_ports.update(beat["ports"])
     if self._block[0] != since:  # who was in the job when this block began
       self._block = (since, tokens)
-    if not stalled:
       return
-    # A replacement beats under its predecessor's id: a new token is a death too.
-    silent = {peer: ("replaced" if self._block[1].get(peer, token) != token
-                     else round(now - last[peer], 2))
-              for peer, token in tokens.items() if peer != str(self._id)}
-    silent.update({peer: round(now - t, 2) for peer, t in last.items() if peer not in tokens})
-    silent = {peer: why for peer, why in silent.items()
-              if why == "replaced" or why > self.after_s}
-    if not silent:
+    # A replacement beats under its predecessor's id: a new token proves the
+    # death, so it needs no long wait; silence might be a stall, so it does.
+    gone: dict[str, str | float] = {
+        peer: "replaced" for peer, token in tokens.items()
+        if peer != str(self._id) and self._block[1].get(peer, token) != token}
+    if stuck >= self.after_s:
+      gone.update({peer: round(now - t, 2) for peer, t in last.items()
+                   if peer != str(self._id) and peer not in gone and now - t > self.after_s})
+    if not gone:
       return
     self._fired_for = since
     self._peer_ports = peer_ports
-    self.abort(f"stuck {time.monotonic() - since:.1f} s in a step while process(es) "
-               f"{silent} are silent")
+    self.abort(f"stuck {stuck:.1f} s in a step while process(es) {gone} are gone")
+
+  def _write_beat(self) -> None:
+    self._client.key_value_set(f"{BEATS}/{self._id}",
+                               json.dumps({**self._beat, "t": time.time()}),
+                               allow_overwrite=True)
 
   def abort(self, why: str) -> None:
     """Shuts down this process's gloo connections: every collective waiting

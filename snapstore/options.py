@@ -61,7 +61,9 @@ class SnapshotOptions:
       instead of ``2x`` (multi-host; ``snapstore plan`` shows both).
     parity_k: with ``redundancy="parity"``: the data domains per parity block.
     replica_interval: the replicas (or parity) travel with every this-many-th snapshot
-      (1: every one). In between, a store keeps only its own pieces, so losing
+      (1: every one): the snapshot of step ``s`` carries them when
+      ``(s // interval) % replica_interval == 0``, the same on every process
+      (a replacement healed in place too). In between, a store keeps only its own pieces, so losing
       a domain rewinds to the newest snapshot whose replicas travelled (the
       restore picks it and reports the rewind). For jobs where the transfer
       costs more of a step than it should.

@@ -124,3 +124,21 @@ def test_a_collective_stuck_on_a_frozen_peer_fails_without_the_collective_timeou
   assert len(got["aborts"]) == 1 and got["aborts"][0]["sockets"] >= 1, got
   assert "'1'" in got["aborts"][0]["why"]
   assert got["gloo_ports"]
+
+
+def test_a_replaced_peer_is_acted_on_before_after_s_a_silent_one_is_not(service):
+  block = [time.monotonic()]
+  dog = _abort.Watchdog(service, 0, 3, after_s=30.0, in_block=lambda: block[0],
+                        gloo_ports=set())
+  assert dog.replaced_after_s == 2 * dog.period_s
+  _beat(service, 1, age_s=0.0, process="one")
+  _beat(service, 2, age_s=0.0, process="two")
+  dog.check()  # the block begins
+  time.sleep(dog.replaced_after_s + 0.1)
+  _beat(service, 2, age_s=20.0, process="two")  # silent, but not for after_s
+  dog.check()
+  assert dog.aborts == []
+  _beat(service, 1, age_s=0.0, process="one again")  # its replacement beats
+  dog.check()
+  assert len(dog.aborts) == 1 and "'1': 'replaced'" in dog.aborts[0]["why"]
+  assert "'2'" not in dog.aborts[0]["why"]

@@ -272,14 +272,16 @@ def test_restoring_an_older_step_abandons_the_newer_ones(kind, store_dir):
 
 
 def test_replicas_every_other_snapshot_rewind_to_the_last_that_had_them(sliced, store_dir):
-  """replica_interval=2: step 2's snapshot kept no cross-domain copies, so
-  losing domain 1 restores step 1, the newest whose every piece survives."""
+  """replica_interval=2: replicas travel with the even steps' snapshots
+  (decided from the step, so every process, a replacement too, agrees);
+  step 3's snapshot kept no cross-domain copies, so losing domain 1 restores
+  step 2, the newest whose every piece survives."""
   devs = jax.devices()
   with sliced.manager(store_dir, replica_interval=2, keep=3) as mgr:
-    refs = save_steps(mgr, [1, 2])
+    refs = save_steps(mgr, [2, 3])
     held = {m.step: len(m.pieces) for m in mgr.backend.stores[0].manifests()}
-    assert held[1] > held[2]  # step 1 carries domain 1's pieces too
+    assert held[2] > held[3]  # step 2 carries domain 1's pieces too
     mgr.forget_domains([1], "slice lost")
     r = mgr.restore(abstract(awkward_state(devs[:4], 0)))
-  assert (r.step, r.rewind_steps) == (1, 1)
-  assert_bitwise_equal(refs[1], r.state)
+  assert (r.step, r.rewind_steps) == (2, 1)
+  assert_bitwise_equal(refs[2], r.state)
