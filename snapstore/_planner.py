@@ -245,12 +245,26 @@ def choose(manifests: Iterable[Manifest], *, step: int | None = None,
 # ---------------------------------------------------------------- retention
 def retention(manifests: Sequence[Manifest], keep: int) -> list[tuple[Manifest, str]]:
   """The manifests of one store to delete, and why: those a newer
-  incarnation superseded, then all but the newest ``keep`` valid ones. A pure
-  function of the manifests; the store applies it."""
-  valid = fence(manifests)
+  incarnation superseded, then all but ``keep`` valid ones: the newest, and
+  the newest of the rest, those that carry other hosts' pieces (replicas,
+  parity) first. With replicas on every other snapshot, the newest that
+  carries them can be incomplete for the job (a peer died during its
+  transfer) although this store's copy committed; the carrier before it is
+  then the newest step whose every piece survives, and a snapshot without
+  replicas would not be, once its host's store is lost. A pure function of
+  the manifests; the store applies it."""
+  valid = sorted(fence(manifests), key=lambda m: m.step)
   out = [(m, "superseded by a newer incarnation") for m in manifests if m not in valid]
-  out += [(m, f"retention keeps {keep}") for m in valid[:-keep]]
+  if len(valid) > keep:
+    rest = sorted(valid[:-1], key=lambda m: (carries_others(m), m.step), reverse=True)
+    kept = {id(valid[-1])} | {id(m) for m in rest[:keep - 1]}
+    out += [(m, f"retention keeps {keep}") for m in valid if id(m) not in kept]
   return out
+
+
+def carries_others(m: Manifest) -> bool:
+  """Whether ``m`` holds pieces of other hosts (replicas or parity)."""
+  return bool(m.parity) or any(p.owner != m.host for p in m.pieces)
 
 
 def slot_count(snapshot_bytes: int, *, keep: int, budget_bytes: int | None,

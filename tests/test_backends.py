@@ -285,3 +285,22 @@ def test_replicas_every_other_snapshot_rewind_to_the_last_that_had_them(sliced, 
     r = mgr.restore(abstract(awkward_state(devs[:4], 0)))
   assert (r.step, r.rewind_steps) == (2, 1)
   assert_bitwise_equal(refs[2], r.state)
+
+
+def test_retention_keeps_the_snapshot_with_replicas_before_the_newest(sliced, store_dir):
+  """replica_interval=2, keep=2: after step 4 the store keeps steps 4 and 2
+  (both carry replicas) and lets step 3 (none) go, so when step 4's
+  replicas are lost (a peer died during their transfer while this store's
+  copy committed) step 2 still restores; keeping 3 and 4 would leave no
+  step whose every piece survives."""
+  devs = jax.devices()
+  with sliced.manager(store_dir, replica_interval=2, keep=2) as mgr:
+    refs = save_steps(mgr, [2, 3, 4])
+    store = mgr.backend.stores[0]
+    assert sorted(m.step for m in store.manifests()) == [2, 4]
+    four = next(m for m in store.manifests() if m.step == 4)
+    store.delete(four, "test: its replicas never arrived")
+    mgr.forget_domains([1], "slice lost")
+    r = mgr.restore(abstract(awkward_state(devs[:4], 0)))
+  assert r.step == 2
+  assert_bitwise_equal(refs[2], r.state)
