@@ -159,10 +159,10 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
   before it fails. A peer whose process died fails it at once (its sockets
   close); the timeout is for a peer that is alive but late, so it must exceed
   the skew between processes (compiling the first step on a loaded machine
-  takes seconds), or a healthy job fails its first step. It is also how long
-  detection can take: a survivor can wait the full timeout when a peer dies
-  in the middle of a collective (gloo; seen in 2 of 14 demo runs, the others
-  detected in ~1 s). Default: ``$SNAPSTORE_COLLECTIVE_TIMEOUT_S``, else 30.
+  takes seconds), or a healthy job fails its first step. A survivor that
+  waits on a peer that died elsewhere in the collective is freed sooner by
+  :class:`InPlace`'s watchdog (``abort_after_s``). Default:
+  ``$SNAPSTORE_COLLECTIVE_TIMEOUT_S``, else 30.
   Raises :class:`RestartRequired` if this JAX cannot do it.
   """
   global _listening_before
