@@ -46,12 +46,13 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 BEATS = "snapstore/beats"  # in the coordination service: process -> its last beat
-_LISTEN, _ESTABLISHED, _CLOSE_WAIT = "0A", "01", "08"
+_LISTEN = "0A"
 
 
 @dataclasses.dataclass(frozen=True)
 class Connection:
   fd: int
+  inode: int
   local_port: int
   remote_port: int
   state: str  # /proc/net/tcp's hex state
@@ -79,7 +80,7 @@ def connections() -> list[Connection]:
     for row in rows:
       cols = row.split()
       if len(cols) > 9 and cols[9] in fds:
-        out.append(Connection(fds[cols[9]], int(cols[1].rsplit(":", 1)[1], 16),
+        out.append(Connection(fds[cols[9]], int(cols[9]), int(cols[1].rsplit(":", 1)[1], 16),
                               int(cols[2].rsplit(":", 1)[1], 16), cols[3]))
   return out
 
@@ -88,17 +89,24 @@ def listening_ports() -> set[int]:
   return {c.local_port for c in connections() if c.state == _LISTEN}
 
 
-def shut_down(own_ports: set[int], peer_ports: set[int]) -> int:
+def shut_down(own_ports: set[int], peer_ports: set[int], *, spare: set[int] = frozenset()
+              ) -> int:
   """Shuts down every connected socket of this process accepted on one of
-  ``own_ports`` or connected to one of ``peer_ports``; returns how many."""
+  ``own_ports`` or connected to one of ``peer_ports``, but none with either
+  end on a ``spare`` port (the coordination service's); returns how many."""
   done = 0
   for c in connections():
-    if c.state == _LISTEN or not (c.local_port in own_ports or c.remote_port in peer_ports):
+    if (c.state == _LISTEN or not (c.local_port in own_ports or c.remote_port in peer_ports)
+        or spare & {c.local_port, c.remote_port}):
       continue
     try:
-      s = socket.socket(fileno=os.dup(c.fd))
+      fd = os.dup(c.fd)
     except OSError:
       continue  # closed since it was listed
+    if os.fstat(fd).st_ino != c.inode:  # the number was reused since: not ours to shut
+      os.close(fd)
+      continue
+    s = socket.socket(fileno=fd)
     try:
       s.shutdown(socket.SHUT_RDWR)  # acts on the socket, not on this fd: gloo sees it
       done += 1
@@ -120,15 +128,17 @@ class Watchdog:
 
   def __init__(self, client: Any, process_id: int, processes: int, *, after_s: float,
                in_block: Callable[[], float | None], gloo_ports: set[int],
-               period_s: float = 0.25) -> None:
+               spare_ports: set[int] = frozenset(), period_s: float = 0.25) -> None:
     if not after_s > period_s:
       raise ValueError(f"after_s ({after_s}) must exceed the beat period ({period_s})")
     self._client, self._id, self._processes = client, process_id, processes
     self.after_s, self.period_s = after_s, period_s
     self.replaced_after_s = min(after_s, 2 * period_s)
     self._in_block, self.gloo_ports = in_block, set(gloo_ports)
+    self.spare_ports = set(spare_ports)
+    self._changed: dict[str, tuple[Any, float]] = {}  # peer -> (its beat, when it changed)
     self._fired_for: float | None = None
-    self._started = time.time()
+    self._started, self._started_mono = time.time(), time.monotonic()
     self._failing = ""
     self.aborts: list[dict[str, Any]] = []
     self._stop = threading.Event()
@@ -151,7 +161,7 @@ class Watchdog:
   def stop(self) -> None:
     self._stop.set()
     if self._thread.is_alive():
-      self._thread.join()
+      self._thread.join(timeout=5 * self.period_s + 5)  # an RPC may hang: do not
 
   def _run(self) -> None:
     while not self._stop.wait(self.period_s):
@@ -175,10 +185,14 @@ class Watchdog:
     now, peer_ports = time.time(), set()
     last = dict.fromkeys(map(str, range(self._processes)), self._started)  # none yet: since
     tokens: dict[str, str] = {}                                  # this watchdog started
+    mono = time.monotonic()
     for key, raw in self._client.key_value_dir_get(BEATS):
       beat, peer = json.loads(raw), key.rsplit("/", 1)[-1]
       last[peer], tokens[peer] = float(beat["t"]), beat["process"]
       peer_ports.update(beat["ports"])
+      if self._changed.get(peer, (None,))[0] != beat["t"]:
+        self._changed[peer] = (beat["t"], mono)
+    self._peer_ports = peer_ports  # for abort(), from failed() too
     if self._block[0] != since:  # who was in the job when this block began
       self._block = (since, tokens)
       return
@@ -187,13 +201,15 @@ class Watchdog:
     gone: dict[str, str | float] = {
         peer: "replaced" for peer, token in tokens.items()
         if peer != str(self._id) and self._block[1].get(peer, token) != token}
-    if stuck >= self.after_s:
-      gone.update({peer: round(now - t, 2) for peer, t in last.items()
-                   if peer != str(self._id) and peer not in gone and now - t > self.after_s})
+    if stuck >= self.after_s:  # old by its clock, and unchanged here for a while:
+      gone.update({peer: round(now - t, 2) for peer, t in last.items()  # clock skew alone
+                   if peer != str(self._id) and peer not in gone     # cannot fire it
+                   and now - t > self.after_s
+                   and mono - self._changed.get(peer, (None, self._started_mono))[1]
+                   >= self.after_s / 2})
     if not gone:
       return
     self._fired_for = since
-    self._peer_ports = peer_ports
     self.abort(f"stuck {stuck:.1f} s in a step while process(es) {gone} are gone")
 
   def _write_beat(self) -> None:
@@ -204,6 +220,7 @@ class Watchdog:
   def abort(self, why: str) -> None:
     """Shuts down this process's gloo connections: every collective waiting
     on one fails now, and every communicator is spent."""
-    n = shut_down(self.gloo_ports, self._peer_ports - self.gloo_ports)
+    n = shut_down(self.gloo_ports, self._peer_ports - self.gloo_ports,
+                  spare=self.spare_ports)
     self.aborts.append({"at": time.time(), "why": why, "sockets": n})
     logger.warning("process %d: %s; shut down %d gloo connections", self._id, why, n)

@@ -135,11 +135,10 @@ class SnapshotManager:
         num_hosts=max(self.num_hosts, len(self.backend.store_ids())),
         tree_digest=tree_digest(specs), chunk_bytes=self.options.chunk_bytes,
         leaves=tuple(specs), extra=extra)
-    # From the step, not a count of this process's snapshots: every process
-    # must decide alike, and a replacement healed in place (count 0) would
-    # otherwise move replicas while its peers do not (mismatched collectives:
-    # gloo aborts the process on the size mismatch).
-    travel = (step // self.schedule.interval) % self.options.replica_interval == 0
+    # From the step, not a count of this process's snapshots: a replacement
+    # healed in place (count 0) would move replicas while its peers do not
+    # (mismatched collectives: gloo aborts the process on the size mismatch).
+    travel = self.options.carries_replicas(step)
     copies = 1 if self.options.redundancy == "parity" else self.options.replicas
     pending = self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
     self._inflight = self._drainer.submit(self._drain, pending)

@@ -11,7 +11,7 @@ import collections
 import dataclasses
 import functools
 import logging
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -243,11 +243,12 @@ def choose(manifests: Iterable[Manifest], *, step: int | None = None,
 
 
 # ---------------------------------------------------------------- retention
-def retention(manifests: Sequence[Manifest], keep: int) -> list[tuple[Manifest, str]]:
+def retention(manifests: Sequence[Manifest], keep: int,
+              carries: Callable[[int], bool] | None = None) -> list[tuple[Manifest, str]]:
   """The manifests of one store to delete, and why: those a newer
   incarnation superseded, then all but ``keep`` valid ones: the newest, and
-  the newest of the rest, those that carry other hosts' pieces (replicas,
-  parity) first. With replicas on every other snapshot, the newest that
+  the newest of the rest, those whose step ``carries`` replicas (or parity;
+  ``SnapshotOptions.carries_replicas``, alike for every store) first. With replicas on every other snapshot, the newest that
   carries them can be incomplete for the job (a peer died during its
   transfer) although this store's copy committed; the carrier before it is
   then the newest step whose every piece survives, and a snapshot without
@@ -256,15 +257,11 @@ def retention(manifests: Sequence[Manifest], keep: int) -> list[tuple[Manifest, 
   valid = sorted(fence(manifests), key=lambda m: m.step)
   out = [(m, "superseded by a newer incarnation") for m in manifests if m not in valid]
   if len(valid) > keep:
-    rest = sorted(valid[:-1], key=lambda m: (carries_others(m), m.step), reverse=True)
+    rest = sorted(valid[:-1], key=lambda m: (carries is not None and carries(m.step), m.step),
+                  reverse=True)
     kept = {id(valid[-1])} | {id(m) for m in rest[:keep - 1]}
     out += [(m, f"retention keeps {keep}") for m in valid if id(m) not in kept]
   return out
-
-
-def carries_others(m: Manifest) -> bool:
-  """Whether ``m`` holds pieces of other hosts (replicas or parity)."""
-  return bool(m.parity) or any(p.owner != m.host for p in m.pieces)
 
 
 def slot_count(snapshot_bytes: int, *, keep: int, budget_bytes: int | None,

@@ -297,6 +297,9 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       if due:  # kills at the same step (and delay) fire together.
         step = min(k.step for k in due)
         for k in [k for k in due if k.step == step]:
+          if procs[k.host].poll() is not None:  # it exited on its own meanwhile
+            pending.remove(k)
+            continue
           inc.kill_time = inc.kill_time or time.time()
           procs[k.host].send_signal(signal.SIGKILL)
           procs[k.host].wait()

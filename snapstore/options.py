@@ -62,8 +62,9 @@ class SnapshotOptions:
     parity_k: with ``redundancy="parity"``: the data domains per parity block.
     replica_interval: the replicas (or parity) travel with every this-many-th snapshot
       (1: every one): the snapshot of step ``s`` carries them when
-      ``(s // interval) % replica_interval == 0``, the same on every process
-      (a replacement healed in place too). In between, a store keeps only its own pieces, so losing
+      ``(s // interval) % replica_interval == 0`` (``interval="auto"``: when
+      ``s % replica_interval == 0``), the same on every process (a
+      replacement healed in place too; :meth:`carries_replicas`). In between, a store keeps only its own pieces, so losing
       a domain rewinds to the newest snapshot whose replicas travelled (the
       restore picks it and reports the rewind). For jobs where the transfer
       costs more of a step than it should.
@@ -146,6 +147,13 @@ class SnapshotOptions:
 
   def should_persist(self, step: int) -> bool:
     return self.persistent_interval > 0 and step % self.persistent_interval == 0
+
+  def carries_replicas(self, step: int) -> bool:
+    """Whether the snapshot of ``step`` carries the replicas (or parity):
+    from the step and the options only, so every process, and every store's
+    retention, agrees (a count of one process's snapshots would not)."""
+    every = self.interval if isinstance(self.interval, int) else 1
+    return (step // every) % self.replica_interval == 0
 
 
 MAX_INT = 2**48  # steps, incarnations, sizes: far beyond use, far below overflow

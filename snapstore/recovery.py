@@ -19,7 +19,8 @@ others down. :func:`initialize` joins the job in that mode, and
         step += 1
       except job.FAILURES as e:
         job.failed(e)                    # raises RestartRequired after K in a row
-                                         # (live() does too when no order is left)
+                                         # (live() does too when no order is left):
+                                         # exit with RESTART_EXIT_CODE then
 
 A survivor keeps its process, its imports, its compiled programs and its RAM
 store. When a host dies, ``live()`` raises on every survivor (the step is
@@ -290,11 +291,14 @@ class InPlace:
     self._order_name: str | None = None  # the order of this membership, by name
     self._spent: set[str] = set()  # orders this process failed on: never again
     self.watchdog: _abort.Watchdog | None = None
+    if abort_after_s is not None and not abort_after_s > 0:
+      raise ValueError(f"abort_after_s must be > 0 seconds or None, got {abort_after_s!r}")
     if self._all[0].platform == "cpu":
       self.watchdog = _abort.Watchdog(
           self._client, jax.process_index(), jax.process_count(),
-          after_s=abort_after_s or DEFAULT_ABORT_AFTER_S,
-          in_block=lambda: self._block_since, gloo_ports=_gloo_ports())
+          after_s=DEFAULT_ABORT_AFTER_S if abort_after_s is None else abort_after_s,
+          in_block=lambda: self._block_since, gloo_ports=_gloo_ports(),
+          spare_ports=_service_ports())
       if abort_after_s is not None:
         self.watchdog.start()
 
@@ -431,11 +435,16 @@ class InPlace:
                             f"{self.recoveries[-1].error}") from error
 
 
+def _service_ports() -> set[int]:
+  from jax._src import distributed  # noqa: PLC0415
+  port = (distributed.global_state.coordinator_address or "").rsplit(":", 1)[-1]
+  return {int(port)} if port.isdigit() else set()
+
+
 def _gloo_ports() -> set[int]:
   """This process's gloo listener ports: the TCP listeners that appeared
   since :func:`initialize` (the backend, started by ``jax.devices()``, opens
-  gloo's), less the coordination service's."""
-  from jax._src import distributed  # noqa: PLC0415
-  service = (distributed.global_state.coordinator_address or "").rsplit(":", 1)[-1]
+  gloo's), less the coordination service's. A server the program starts in
+  between would be counted too: start it before ``initialize``."""
   ports = _abort.listening_ports() - (_listening_before or set())
-  return {p for p in ports if str(p) != service}
+  return ports - _service_ports()

@@ -23,7 +23,7 @@ adding itself to its parameter list.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .. import _planner
@@ -112,11 +112,11 @@ class Backend(PieceSource, Protocol):
   def close(self) -> None: ...
 
 
-def retain(store: Store, keep: int) -> None:
+def retain(store: Store, keep: int, carries: Callable[[int], bool] | None = None) -> None:
   """Applies :func:`._planner.retention` to one store (at most ``num_slots
   - 1`` kept, so one slot stays free for the next snapshot)."""
   keep = min(keep, max(store.num_slots - 1, 1))
-  for m, why in _planner.retention(store.manifests(), keep):
+  for m, why in _planner.retention(store.manifests(), keep, carries):
     store.delete(m, why)
 
 

@@ -123,7 +123,7 @@ class HostFilesBackend(DomainStores):
                             created=time.time(), host=store.host, slot=slot,
                             scalars=dict(cap.scalars), parity=parity,
                             **pending.header.fields()))
-      retain(store, self.options.keep)
+      retain(store, self.options.keep, self.options.carries_replicas)
     return nbytes
 
   # --------------------------------------------------------------- restore

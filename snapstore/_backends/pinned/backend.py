@@ -120,7 +120,7 @@ class PinnedHostBackend(DomainStores):
       store.commit(Manifest(pieces=tuple(r for r in records if r.leaf != PARITY_LEAF),
                             created=time.time(), host=sid, slot=slot, parity=parity,
                             scalars=dict(cap.scalars), **pending.header.fields()))
-      retain(store, self.options.keep)
+      retain(store, self.options.keep, self.options.carries_replicas)
     return nbytes
 
   # --------------------------------------------------------------- restore
