@@ -38,3 +38,17 @@ def test_a_kill_whose_store_the_supervisor_cannot_see_is_an_error(tmp_path, stor
 def test_a_kill_delay_must_be_finite_and_for_supervisor_kills(bad):
   with pytest.raises(ValueError, match="delay_s"):
     Kill(host=1, step=3, **bad)
+
+
+@pytest.mark.slow
+def test_a_delayed_kill_fires_that_long_after_its_step(tmp_path, store_dir):
+  """Steps padded to 0.3 s and a kill 1.5 s after host 1 reports step 2:
+  host 1 records later steps first (a kill at once would stop it at 2)."""
+  incs = launch("snapstore.demo.worker",
+                ["--steps", "10", "--out", str(tmp_path), "--store", str(store_dir),
+                 "--run-id", "job", "--min-step-s", "0.3"],
+                num_hosts=2, devices_per_host=1, store_dir=store_dir, run_id="job",
+                kills=[Kill(host=1, step=2, delay_s=1.5)], timeout_s=240, log_dir=tmp_path)
+  assert incs[0].killed == [1] and incs[-1].ok
+  times = json.loads((tmp_path / "inc0-host1.json").read_text())["times"]
+  assert max(map(int, times)) >= 4

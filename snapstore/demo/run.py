@@ -50,8 +50,7 @@ RUNS = {  # name -> (snapshots, in place)
 
 def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: bool,
          kill_step: int, checkpoint_every: int, total_steps: int, step_s: float,
-         replica_interval: int, env: dict[str, str], progress: Progress,
-         kill_delay_s: float = 0.0) -> dict[str, Any]:
+         replica_interval: int, env: dict[str, str], progress: Progress) -> dict[str, Any]:
   out = work / name
   out.mkdir()
   store = work / f"store-{name}"
@@ -71,7 +70,7 @@ def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: b
                    "--snapshots", "1" if snapshots else "0", "--no-digest-restore",
                    "--min-step-s", str(step_s), "--replica-interval", str(replica_interval)],
                   num_hosts=HOSTS, devices_per_host=DEVICES_PER_HOST, store_dir=store,
-                  run_id="demo", kills=[Kill(KILLED_HOST, kill_step, lose_store=True, delay_s=kill_delay_s)],
+                  run_id="demo", kills=[Kill(KILLED_HOST, kill_step, lose_store=True)],
                   timeout_s=600, log_dir=out, env=env, in_place=in_place)
   finally:
     done.set()
