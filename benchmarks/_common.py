@@ -31,6 +31,36 @@ def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
   return statistics.median(times)
 
 
+class FullCollections:
+  """Counts Python's full (generation 2) garbage collections, and their
+  seconds, while the block runs (``gc.callbacks``): per-piece objects that
+  outlive young collections make them run often, on whichever thread is
+  allocating, often the training loop's."""
+
+  def __init__(self) -> None:
+    self.count = 0
+    self.seconds = 0.0
+    self._start = 0.0
+
+  def _callback(self, phase: str, info: dict[str, Any]) -> None:
+    if info.get("generation") != 2:
+      return
+    if phase == "start":
+      self._start = time.perf_counter()
+    else:
+      self.count += 1
+      self.seconds += time.perf_counter() - self._start
+
+  def __enter__(self) -> FullCollections:
+    import gc  # noqa: PLC0415
+    gc.callbacks.append(self._callback)
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    import gc  # noqa: PLC0415
+    gc.callbacks.remove(self._callback)
+
+
 def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> float:
   """Single-thread np.copyto bandwidth (bytes/s) into a touched, reused buffer."""
   src = np.ones(nbytes, np.uint8)

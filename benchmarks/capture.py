@@ -12,6 +12,9 @@ devices (a 2x4 mesh, float32 leaves of ~16 MB sharded over all devices):
   what a recovery pays);
 * per-step overhead of ``save`` at interval 1 against the same loop without
   snapshots, with a step that takes ~10x the copy (a matmul chain);
+* ``gc_full_collections`` / ``gc_full_seconds``: Python's full garbage
+  collections during ``gc_saves`` saves in a row (the first ``--repeats`` of
+  them are the timed saves);
 * ``many_leaves``: the same, with the same bytes split over
   ``--many-leaves`` leaves (default 500), and its times over the few-leaves
   case's (per-leaf Python cost shows there).
@@ -25,11 +28,12 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from benchmarks._common import (calibrated_step, cleanup, emit, make_state, median_seconds,
-                                memcpy_bandwidth, ram_dir, setup_cpu_devices)
+from benchmarks._common import (FullCollections, calibrated_step, cleanup, emit, make_state,
+                                median_seconds, memcpy_bandwidth, ram_dir, setup_cpu_devices)
 
 
-def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = None) -> dict:
+def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = None,
+             gc_saves: int = 20) -> dict:
   import jax  # noqa: PLC0415
 
   import snapstore  # noqa: PLC0415
@@ -43,12 +47,16 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       mgr.save(0, state)  # allocates and touches the slots
       mgr.wait_until_finished()
       returns, totals = [], []
-      for i in range(1, repeats + 1):
-        t = time.perf_counter()
-        mgr.save(i, state)
-        returns.append(time.perf_counter() - t)
-        mgr.wait_until_finished()
-        totals.append(time.perf_counter() - t)
+      with FullCollections() as gcs:
+        gc_saves = max(gc_saves, repeats)
+        for i in range(1, gc_saves + 1):
+          t = time.perf_counter()
+          mgr.save(i, state)
+          if i <= repeats:
+            returns.append(time.perf_counter() - t)
+          mgr.wait_until_finished()
+          if i <= repeats:
+            totals.append(time.perf_counter() - t)
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                              sharding=x.sharding), state)
       t = time.perf_counter()  # the first in this process: what a recovery pays
@@ -89,6 +97,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       "step_s_plain": step_plain, "step_s_snapshot": step_snap,
       "copy_fraction_of_step": save_s / step_plain,
       "step_overhead": step_snap / step_plain - 1.0,
+      "gc_saves": gc_saves, "gc_full_collections": gcs.count, "gc_full_seconds": gcs.seconds,
   }
 
 

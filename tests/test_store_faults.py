@@ -1,5 +1,6 @@
 """Corruption, fencing, budget, mismatches and the Orbax fallback."""
 
+import dataclasses
 import logging
 import shutil
 
@@ -239,3 +240,31 @@ def test_alternating_snapshot_sizes_reuse_slots_and_a_real_shrink_does_not(store
   assert files() == settled  # the same files, none remade
   store.reserve(10, 1 << 12)  # under half: its own size
   assert {s for _, s in files().values()} == {1 << 12}
+
+
+def test_committed_manifests_keep_no_per_piece_objects_for_the_collector(store_dir, trainer):
+  """Thousands of pieces a snapshot, kept as objects, made Python's full
+  collection run every few saves; kept as rows of plain tuples, the
+  collector stops tracking them, and the file is byte for byte the one that
+  records give."""
+  import gc
+
+  import msgpack
+
+  from snapstore._manifest import PieceTable, _piece_row
+
+  with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
+    train_and_save(trainer, mgr, [1, 2])
+    manifests = store_of(mgr).manifests()
+  assert [m.step for m in manifests] == [1, 2]
+  gc.collect()  # a pass untracks a tuple whose items it has already untracked
+  gc.collect()
+  for m in manifests:
+    assert isinstance(m.pieces, PieceTable) and len(m.pieces) > 0
+    assert not any(gc.is_tracked(row) for row in m.pieces.rows)
+    records = tuple(m.pieces)
+    assert m.pieces == records and m.pieces[-1] == records[-1] and m.pieces[1:] == records[1:]
+    # the same file whether the pieces are given as records or as the table
+    rebuilt = dataclasses.replace(m, pieces=records)
+    assert encode(rebuilt) == encode(m) and decode(encode(m)) == m
+    assert msgpack.packb(m.pieces.rows) == msgpack.packb([_piece_row(p) for p in records])

@@ -24,7 +24,7 @@ from ..._assemble import Assembler, BadCopy
 from ..._checksum import ChecksumKind, copy_verified, crc_matches, piece_key
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
-from ..._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceRecord
+from ..._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceTable
 from ... import _group, _parity
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
@@ -115,11 +115,14 @@ class HostFilesBackend(DomainStores):
       nbytes += cap.nbytes
       crcs = _capture.drain(cap, store.slot_buffer(slot), offsets, pool=self._pool,
                             chunk_bytes=self.options.chunk_bytes)
-      records = [PieceRecord(p.leaf, p.index, off, p.nbytes, c, owner, ChecksumKind.CRC32C)
-                 for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners)]
-      parity = tuple(ParityRecord(r, *cap.parity[r.index[0]])
-                     for r in records if r.leaf == PARITY_LEAF)
-      store.commit(Manifest(pieces=tuple(r for r in records if r.leaf != PARITY_LEAF),
+      # Rows, not records: nothing per piece outlives the drain as an object
+      # the garbage collector tracks (see PieceTable).
+      crc = ChecksumKind.CRC32C.value
+      rows = [(p.leaf, p.index, off, p.nbytes, c, owner, crc)
+              for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners)]
+      parity = tuple(ParityRecord(PieceTable.from_rows([row])[0], *cap.parity[row[1][0]])
+                     for row in rows if row[0] == PARITY_LEAF)
+      store.commit(Manifest(pieces=PieceTable.from_rows(r for r in rows if r[0] != PARITY_LEAF),
                             created=time.time(), host=store.host, slot=slot,
                             scalars=dict(cap.scalars), parity=parity,
                             **pending.header.fields()))
