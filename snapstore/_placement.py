@@ -149,26 +149,22 @@ def _to_bytes(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
-def _from_bytes(b: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
-  if like.dtype == jnp.bool_:
-    return (b != 0).reshape(like.shape)
-  itemsize = np.dtype(like.dtype).itemsize
-  shape = like.shape + ((itemsize,) if itemsize > 1 else ())
-  return jax.lax.bitcast_convert_type(b.reshape(shape), like.dtype)
-
-
-# The permute is three programs, not one: packing and unpacking (one byte
-# buffer per device, per-leaf work) do not depend on the device pairs, so
-# after an in-place heal's new device order they come from the persistent
-# compilation cache (:mod:`._cache_keys`); only the one-op permute compiles
-# again. As one program it compiled for ~3 s a process after every heal.
+# The permute is two programs, not one: packing (one byte buffer per device,
+# per-leaf work) does not depend on the device pairs, so after an in-place
+# heal's new device order it comes from the persistent compilation cache
+# (:mod:`._cache_keys`); only the one-op permute compiles again. As one
+# program with the unpacking it compiled for ~3 s a process after every heal.
 @functools.lru_cache(maxsize=32)
-def _pack_fn(mesh: Mesh) -> Any:
-  """Each device's shards of the arguments, as bytes, one after another."""
+def _pack_fn(mesh: Mesh, specs: tuple[P, ...] | None = None) -> Any:
+  """Each device's shards of the arguments, as bytes, one after another, as
+  a row per device of ``mesh`` (in its flat order). ``specs``: the arguments'
+  partition specs on ``mesh`` (None: each is one block per device along
+  :data:`_AXIS`)."""
   def body(*xs: jax.Array) -> jax.Array:
     return jnp.concatenate([_to_bytes(x) for x in xs])
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
-                               check_vma=False))
+  axes = tuple(mesh.axis_names)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS) if specs is None else specs,
+                               out_specs=P(axes), check_vma=False))
 
 
 @functools.lru_cache(maxsize=32)
@@ -180,49 +176,59 @@ def _move_fn(mesh: Mesh, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
                                check_vma=False))
 
 
-@functools.lru_cache(maxsize=256)
-def _unpack_fn(mesh: Mesh, likes: tuple[jax.ShapeDtypeStruct, ...]) -> Any:
-  """The inverse of :func:`_pack_fn` for per-device blocks shaped ``likes``."""
-  def body(buf: jax.Array) -> tuple[jax.Array, ...]:
-    out, at = [], 0
-    for like in likes:
-      size = int(np.prod(like.shape, dtype=np.int64)) * np.dtype(like.dtype).itemsize
-      out.append(_from_bytes(buf[at: at + size], like))
-      at += size
-    return tuple(out)
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
-                               check_vma=False))
-
-
-def ring_permute(arrays: Sequence[jax.Array],
-                 perms: Sequence[dict[jax.Device, jax.Device]]) -> list[jax.Array]:
-  """Sends each device's shard of ``arrays[i]`` to ``perms[i][device]``: the
-  arrays that share a permutation travel as one byte buffer per device, in
-  one jitted collective permute (XLA carries the bytes). Returns, per
-  array, a ``(devices * shard_rows, ...)`` array whose block on device ``e``
-  is the shard that ``e`` received. Collective: every process calls it with
-  the same arrays."""
-  mesh = _device_mesh()
-  pos = {d: i for i, d in enumerate(mesh.devices.flat)}
-  stacked, blocks = [], []
+def _packed(mesh: Mesh, arrays: Sequence[jax.Array]) -> jax.Array:
+  """``arrays``' shards as one uint8 row per device of ``mesh``. Arrays that
+  share a mesh whose devices are ``mesh``'s, in its order (a state on its
+  trainer's mesh), are packed where they are, in one dispatch; others are
+  first relabeled onto ``mesh`` one by one (one JAX call per array: ~40 us,
+  the bulk of a save's cost for a state of a hundred small leaves)."""
   rows = _rows(mesh)
+  own = arrays[0].sharding.mesh if isinstance(arrays[0].sharding, NamedSharding) else None
+  if (isinstance(own, Mesh) and all(isinstance(a.sharding, NamedSharding)
+                                    and a.sharding.mesh == own for a in arrays)
+      and own.devices.size == mesh.devices.size
+      and all(a is b for a, b in zip(own.devices.flat, mesh.devices.flat))):
+    buf = _pack_fn(own, tuple(a.sharding.spec for a in arrays))(*arrays)
+    return jax.make_array_from_single_device_arrays(
+        buf.shape, rows, [s.data for s in buf.addressable_shards])
+  stacked = []
   for a in arrays:
     shard = tuple(a.sharding.shard_shape(tuple(a.shape))) or (1,)
     datas = [a.addressable_data(i) for i in range(len(a.sharding.addressable_devices))]
     datas = datas if a.ndim else [d.reshape(1) for d in datas]
     stacked.append(jax.make_array_from_single_device_arrays(
         (shard[0] * mesh.size, *shard[1:]), rows, datas))
-    blocks.append(jax.ShapeDtypeStruct(shard, a.dtype))
+  return _pack_fn(mesh)(*stacked)
+
+
+def shard_nbytes(a: jax.Array) -> int:
+  """Bytes of each shard of ``a`` (even shards: see :func:`ring_permutable`)."""
+  shard = a.sharding.shard_shape(tuple(a.shape))
+  return int(np.prod(shard, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+
+
+def ring_permute(arrays: Sequence[jax.Array], perms: Sequence[dict[jax.Device, jax.Device]]
+                 ) -> list[tuple[jax.Array, list[int], list[int]]]:
+  """Sends each device's shard of ``arrays[i]`` to ``perms[i][device]``: the
+  arrays that share a permutation travel as one byte buffer per device, in
+  one jitted collective permute (XLA carries the bytes). Returns, per such
+  group: the uint8 buffer received, one row per device of the agreed device
+  mesh (:func:`_device_mesh`, ``rows`` sharding: row ``k`` on its device
+  ``k``); the positions in ``arrays`` of the group's members; and the byte
+  offset of each member's shard in every row. Collective: every process
+  calls it with the same arrays."""
+  mesh = _device_mesh()
+  pos = {d: i for i, d in enumerate(mesh.devices.flat)}
   groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
   for i, p in enumerate(perms):
     groups.setdefault(tuple(sorted((pos[s], pos[d]) for s, d in p.items())), []).append(i)
   order = sorted(groups)
-  packed = [_pack_fn(mesh)(*[stacked[i] for i in groups[p]]) for p in order]
-  out: list[Any] = [None] * len(arrays)
+  packed = [_packed(mesh, [arrays[i] for i in groups[p]]) for p in order]
+  out = []
   for p, buf in zip(order, _move_fn(mesh, tuple(order))(*packed)):
     which = groups[p]
-    for i, o in zip(which, _unpack_fn(mesh, tuple(blocks[i] for i in which))(buf)):
-      out[i] = o
+    offsets = np.cumsum([0] + [shard_nbytes(arrays[i]) for i in which[:-1]]).tolist()
+    out.append((buf, which, offsets))
   return out
 
 

@@ -29,13 +29,23 @@ import numpy as np
 from ... import _faults, _group, _parity
 from ..._checksum import chunk_seeds, copy_crc, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
-from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, data_on
+from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches
 from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
                            ring_permutable, ring_permute)
 
-# A piece's bytes: a host view (pinned against donation) or a jax.Array
-# read by ``np.asarray`` in the drain (a replica received, a host copy landing).
-Source = np.ndarray | jax.Array
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """A piece's bytes at ``start`` in ``row``, a device's uint8 buffer of
+  received replica pieces (:func:`.._placement.ring_permute`)."""
+
+  row: jax.Array
+  start: int
+
+
+# A piece's bytes: a host view (pinned against donation), a jax.Array read
+# by ``np.asarray`` in the drain (a host copy landing), or its place in a
+# received row.
+Source = np.ndarray | jax.Array | Packed
 
 
 @dataclasses.dataclass
@@ -75,18 +85,12 @@ class Transfer:
     dst = self.replica_sharding.mesh.devices.flat
     return dict(zip(src, dst))
 
-  def received(self, out: jax.Array) -> list[tuple[Piece, jax.Array]]:
-    """(piece, data) for each shard this host received in ``out``, the
-    permuted copy of ``arr`` laid out one shard per device."""
-    plan = _received_plan(self.arr.sharding, self.replica_sharding, tuple(self.arr.shape),
-                          out.sharding, np.dtype(self.arr.dtype).itemsize)
-    pieces = []
-    for device_id, index, nbytes in plan:
-      data = data_on(out, device_id)
-      shape = tuple(b - a for a, b in index)
-      data = data if data.shape == shape else data.reshape(shape)
-      pieces.append((Piece(self.leaf, index, nbytes), data))
-    return pieces
+  def received(self, rows: jax.sharding.Sharding) -> tuple[tuple[int, Index, int], ...]:
+    """(receiving device id, global index, bytes) of each shard of ``arr``
+    that a device of this host receives, ``rows`` holding one received
+    buffer per device."""
+    return _received_plan(self.arr.sharding, self.replica_sharding, tuple(self.arr.shape),
+                          rows, np.dtype(self.arr.dtype).itemsize)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -190,11 +194,18 @@ def _replicate(cap: Capture, transfers: Sequence[Transfer], *, step: int,
   sizes = [t.arr.nbytes // len(t.arr.sharding.device_set) for t in fast]
   for batch in batches(sizes, batch_bytes):
     group = [fast[j] for j in batch]
-    outs = ring_permute([t.arr for t in group], [t.perm for t in group])
+    moved = ring_permute([t.arr for t in group], [t.perm for t in group])
     _faults.point("replica", step)
-    for t, out in zip(group, outs):
-      for piece, data in t.received(out):
-        _add_replica(cap, t, piece, data)
+    for buf, which, offsets in moved:  # the drain reads each row once, as bytes
+      rows = {s.device.id: s.data for s in buf.addressable_shards}
+      for j, start in zip(which, offsets):
+        t = group[j]
+        for device_id, index, nbytes in t.received(buf.sharding):
+          if index not in t.mine:
+            t.mine.add(index)
+            cap.pieces.append(Piece(t.leaf, index, nbytes))
+            cap.owners.append(t.owner_of[index])
+            cap.sources.append(Packed(rows[device_id], start))
 
 
 def _plain(spec: LeafSpec, leaf: Any) -> jax.Array:
@@ -258,8 +269,15 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
 
   chunks: list[Chunk] = []
   per_piece: list[int] = []  # chunks of each piece, in order
+  rows: dict[int, np.ndarray] = {}  # id(row) -> its bytes (the drain waits for the move)
   for source, piece, at in zip(cap.sources, cap.pieces, offsets):
-    src = _bytes_of(np.asarray(source))
+    if isinstance(source, Packed):
+      row = rows.get(id(source.row))
+      if row is None:
+        row = rows[id(source.row)] = np.asarray(source.row)
+      src = row[source.start:source.start + piece.nbytes]
+    else:
+      src = _bytes_of(np.asarray(source))
     if src.nbytes != piece.nbytes:
       raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, "
                        f"expected {piece.nbytes}")
