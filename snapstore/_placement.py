@@ -133,11 +133,15 @@ def _rows(mesh: Mesh) -> NamedSharding:
 def ring_permutable(arr: jax.Array) -> bool:
   """True if ``ring_permute`` can carry ``arr``: a NamedSharding over every
   device of the job with even shards."""
-  s = arr.sharding
+  return _ring_permutable(arr.sharding, tuple(arr.shape))
+
+
+@functools.lru_cache(maxsize=4096)  # every leaf of every save: once per layout
+def _ring_permutable(s: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
   if not isinstance(s, NamedSharding) or s.device_set != set(jax.devices()):
     return False
   try:
-    s.shard_shape(tuple(arr.shape))
+    s.shard_shape(shape)
   except ValueError:
     return False
   return True
@@ -203,13 +207,26 @@ def _packed(mesh: Mesh, arrays: Sequence[jax.Array]) -> jax.Array:
 
 def shard_nbytes(a: jax.Array) -> int:
   """Bytes of each shard of ``a`` (even shards: see :func:`ring_permutable`)."""
-  shard = a.sharding.shard_shape(tuple(a.shape))
-  return int(np.prod(shard, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+  return _shard_nbytes(a.sharding, tuple(a.shape), np.dtype(a.dtype).itemsize)
 
 
-def ring_permute(arrays: Sequence[jax.Array], perms: Sequence[dict[jax.Device, jax.Device]]
+@functools.lru_cache(maxsize=4096)
+def _shard_nbytes(s: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int) -> int:
+  return int(np.prod(s.shard_shape(shape), dtype=np.int64)) * itemsize
+
+
+@functools.lru_cache(maxsize=4096)
+def perm_key(src: Mesh, dst: Mesh, order: tuple[jax.Device, ...]) -> tuple[tuple[int, int], ...]:
+  """The permutation that moves each device of ``src`` to the device at the
+  same place in ``dst``, as (from, to) positions in ``order``."""
+  pos = {d: i for i, d in enumerate(order)}
+  return tuple(sorted((pos[a], pos[b]) for a, b in zip(src.devices.flat, dst.devices.flat)))
+
+
+def ring_permute(arrays: Sequence[jax.Array], targets: Sequence[NamedSharding]
                  ) -> list[tuple[jax.Array, list[int], list[int]]]:
-  """Sends each device's shard of ``arrays[i]`` to ``perms[i][device]``: the
+  """Sends each device's shard of ``arrays[i]`` to the device at its place
+  in ``targets[i]``'s mesh (a permutation of its own): the
   arrays that share a permutation travel as one byte buffer per device, in
   one jitted collective permute (XLA carries the bytes). Returns, per such
   group: the uint8 buffer received, one row per device of the agreed device
@@ -218,10 +235,10 @@ def ring_permute(arrays: Sequence[jax.Array], perms: Sequence[dict[jax.Device, j
   offset of each member's shard in every row. Collective: every process
   calls it with the same arrays."""
   mesh = _device_mesh()
-  pos = {d: i for i, d in enumerate(mesh.devices.flat)}
+  flat = tuple(mesh.devices.flat)
   groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
-  for i, p in enumerate(perms):
-    groups.setdefault(tuple(sorted((pos[s], pos[d]) for s, d in p.items())), []).append(i)
+  for i, (a, t) in enumerate(zip(arrays, targets)):
+    groups.setdefault(perm_key(a.sharding.mesh, t.mesh, flat), []).append(i)
   order = sorted(groups)
   packed = [_packed(mesh, [arrays[i] for i in groups[p]]) for p in order]
   out = []

@@ -78,13 +78,6 @@ class Transfer:
   owner_of: dict[Any, int]
   mine: set[Any]
 
-  @property
-  def perm(self) -> dict[jax.Device, jax.Device]:
-    """source device -> device that receives its shard."""
-    src = self.arr.sharding.mesh.devices.flat
-    dst = self.replica_sharding.mesh.devices.flat
-    return dict(zip(src, dst))
-
   def received(self, rows: jax.sharding.Sharding) -> tuple[tuple[int, Index, int], ...]:
     """(receiving device id, global index, bytes) of each shard of ``arr``
     that a device of this host receives, ``rows`` holding one received
@@ -194,7 +187,7 @@ def _replicate(cap: Capture, transfers: Sequence[Transfer], *, step: int,
   sizes = [t.arr.nbytes // len(t.arr.sharding.device_set) for t in fast]
   for batch in batches(sizes, batch_bytes):
     group = [fast[j] for j in batch]
-    moved = ring_permute([t.arr for t in group], [t.perm for t in group])
+    moved = ring_permute([t.arr for t in group], [t.replica_sharding for t in group])
     _faults.point("replica", step)
     for buf, which, offsets in moved:  # the drain reads each row once, as bytes
       rows = {s.device.id: s.data for s in buf.addressable_shards}
@@ -213,10 +206,15 @@ def _plain(spec: LeafSpec, leaf: Any) -> jax.Array:
   return jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
 
 
+@functools.lru_cache(maxsize=4096)
+def _on_cpu(sharding: jax.sharding.Sharding) -> bool:
+  return all(d.platform == "cpu" for d in sharding.device_set)
+
+
 def _staged(arr: jax.Array) -> tuple[jax.Array, bool]:
   """(``arr`` staged to ``pinned_host`` memory by an async ``device_put`` on
   accelerators; whether it is on CPU)."""
-  on_cpu = all(d.platform == "cpu" for d in arr.sharding.device_set)
+  on_cpu = _on_cpu(arr.sharding)
   if not on_cpu:
     arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
   return arr, on_cpu
