@@ -158,7 +158,7 @@ def _to_bytes(x: jax.Array) -> jax.Array:
 # heal's new device order it comes from the persistent compilation cache
 # (:mod:`._cache_keys`); only the one-op permute compiles again. As one
 # program with the unpacking it compiled for ~3 s a process after every heal.
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=4096)  # one per batch layout: a large state has many batches
 def _pack_fn(mesh: Mesh, specs: tuple[P, ...] | None = None) -> Any:
   """Each device's shards of the arguments, as bytes, one after another, as
   a row per device of ``mesh`` (in its flat order). ``specs``: the arguments'
@@ -181,15 +181,18 @@ def _move_fn(mesh: Mesh, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
 
 
 def _packed(mesh: Mesh, arrays: Sequence[jax.Array]) -> jax.Array:
-  """``arrays``' shards as one uint8 row per device of ``mesh``. Arrays that
-  share a mesh whose devices are ``mesh``'s, in its order (a state on its
-  trainer's mesh), are packed where they are, in one dispatch; others are
+  """``arrays``' shards as one uint8 row per device of ``mesh``. Arrays in
+  device memory that share a mesh whose devices are ``mesh``'s, in its order
+  (a state on its trainer's mesh), are packed where they are, in one
+  dispatch; others (and staged ``pinned_host`` copies) are
   first relabeled onto ``mesh`` one by one (one JAX call per array: ~40 us,
   the bulk of a save's cost for a state of a hundred small leaves)."""
   rows = _rows(mesh)
   own = arrays[0].sharding.mesh if isinstance(arrays[0].sharding, NamedSharding) else None
   if (isinstance(own, Mesh) and all(isinstance(a.sharding, NamedSharding)
-                                    and a.sharding.mesh == own for a in arrays)
+                                    and a.sharding.mesh == own
+                                    and a.sharding.memory_kind in (None, "device")
+                                    for a in arrays)
       and own.devices.size == mesh.devices.size
       and all(a is b for a, b in zip(own.devices.flat, mesh.devices.flat))):
     buf = _pack_fn(own, tuple(a.sharding.spec for a in arrays))(*arrays)

@@ -105,7 +105,7 @@ def test_skip_policy_counts_skipped_steps(trainer, store_dir):
   o = opts(store_dir, busy_policy=snapstore.BusyPolicy.SKIP, copy_threads=1)
   with snapstore.SnapshotManager(o) as mgr:
     gate = threading.Event()
-    mgr._copy_pool.submit(gate.wait)  # the drain of step 1 waits behind this.
+    mgr._drainer.submit(gate.wait)  # the drain of step 1 waits behind this.
     assert mgr.save(1, state)
     assert not mgr.save(2, state)
     gate.set()
@@ -120,7 +120,7 @@ def test_wait_policy_waits_and_counts(trainer, store_dir):
   state = trainer.init_state()
   with snapstore.SnapshotManager(opts(store_dir, copy_threads=1)) as mgr:
     gate = threading.Event()
-    mgr._copy_pool.submit(gate.wait)
+    mgr._drainer.submit(gate.wait)  # the drain of step 1 waits behind this.
     assert mgr.save(1, state)
     threading.Timer(0.2, gate.set).start()
     assert mgr.save(2, state)
