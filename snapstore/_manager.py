@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from . import _backends, _interval, _peers, _planner, errors, launch
+from . import _backends, _interval, _peers, _planner, _switch, errors, launch
 from ._assemble import Assembler
 from ._layout import LeafSpec, check_compatible, flatten, tree_digest
 from ._manifest import check_extra, copy_extra
@@ -152,7 +152,8 @@ class SnapshotManager:
 
   def _drain(self, pending: Any) -> None:
     t0 = time.perf_counter()
-    nbytes = self.backend.drain(pending)
+    with _switch.lowered(self.options.drain_switch_interval_s):
+      nbytes = self.backend.drain(pending)
     self._inflight_done_at = time.perf_counter()
     self.schedule.on_drain(self._inflight_done_at - t0)
     self.metrics.snapshots_committed += 1

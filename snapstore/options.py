@@ -77,6 +77,12 @@ class SnapshotOptions:
       (crc32c of the pinned buffer, in place), ``"device"`` (a 64-bit sum
       computed by XLA on the device, for memory the controller cannot
       address), or ``"auto"``: host on CPU devices, device elsewhere.
+    drain_switch_interval_s: while a snapshot drains on its background
+      thread, the interpreter's thread switch interval
+      (``sys.setswitchinterval``) is lowered to this many seconds, so the
+      drain's Python holds up the training loop for at most that long at a
+      time (CPython's default is 5 ms); the previous value is put back when
+      no drain runs. ``None``: left alone.
     incarnation: this job's incarnation (restart count); ``None`` takes
       ``$SNAPSTORE_INCARNATION`` (set by ``snapstore launch``), else one more
       than the newest in the stores (agreed across hosts).
@@ -100,6 +106,7 @@ class SnapshotOptions:
   incarnation: int | None = None
   store: StoreKind = StoreKind.AUTO
   pinned_checksum: str = "auto"
+  drain_switch_interval_s: float | None = 0.0005
 
   def __post_init__(self):
     if self.interval == "auto":
@@ -128,6 +135,11 @@ class SnapshotOptions:
       raise ValueError(f"parity_k must be at most 1023, got {self.parity_k}")
     if self.hosts_per_domain is not None:
       _int_option("hosts_per_domain", self.hosts_per_domain, 1, "or None")
+    if self.drain_switch_interval_s is not None and not (
+        type(self.drain_switch_interval_s) in (int, float)
+        and 0 < self.drain_switch_interval_s <= 1):
+      raise ValueError("drain_switch_interval_s must be seconds in (0, 1] or None, got "
+                       f"{self.drain_switch_interval_s!r}")
     if self.incarnation is not None:
       _int_option("incarnation", self.incarnation, 0, "or None")
     if not isinstance(self.busy_policy, BusyPolicy):

@@ -103,7 +103,10 @@ def test_a_symlinked_slot_is_never_written_through(store_dir, tmp_path):
 @pytest.mark.parametrize("kw", [dict(run_id=".."), dict(run_id="."), dict(run_id="a/b"),
                                 dict(store_dir=""), dict(interval=True),
                                 dict(chunk_bytes=4096.0), dict(keep="2"),
-                                dict(budget_bytes=1.5e9), dict(replicas=-1)])
+                                dict(budget_bytes=1.5e9), dict(replicas=-1),
+                                dict(drain_switch_interval_s=0),
+                                dict(drain_switch_interval_s=2.0),
+                                dict(drain_switch_interval_s="1ms")])
 def test_bad_options_are_refused_naming_the_option(kw):
   (name,) = kw
   with pytest.raises((TypeError, ValueError), match=name):

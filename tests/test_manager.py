@@ -153,3 +153,20 @@ def test_bad_arguments_raise_clear_errors(trainer, store_dir):
       mgr.save(0, {"a": object()})
     with pytest.raises(snapstore.NothingToRestoreError, match="Nothing was deleted"):
       mgr.restore({"a": np.zeros(2)})
+
+
+@pytest.mark.parametrize("interval", [0.0005, None])
+def test_a_drain_lowers_the_switch_interval_and_puts_it_back(trainer, store_dir, interval):
+  """The drain's Python must not hold the training loop for CPython's 5 ms
+  at a time: while a drain runs the switch interval is the option's."""
+  import sys
+
+  before = sys.getswitchinterval()
+  seen = []
+  with snapstore.SnapshotManager(opts(store_dir, drain_switch_interval_s=interval)) as mgr:
+    drain = mgr.backend.drain
+    mgr.backend.drain = lambda p: (seen.append(sys.getswitchinterval()), drain(p))[1]
+    mgr.save(1, trainer.init_state())
+    mgr.wait_until_finished()
+    assert sys.getswitchinterval() == before
+  assert seen == [pytest.approx(before if interval is None else interval)]
