@@ -60,6 +60,27 @@ class PieceRecord:
 _KINDS = {k.value: k for k in ChecksumKind}
 
 
+def piece_row(leaf: int, index: Index, offset: int, nbytes: int, checksum: Sequence[int],
+              owner: int, kind: ChecksumKind) -> tuple[Any, ...]:
+  """One piece as :class:`PieceTable` keeps it: a tuple of plain values
+  (tuples of ints, the kind as its ``value``)."""
+  return (leaf, tuple(map(tuple, index)), offset, nbytes, tuple(checksum), owner, kind.value)
+
+
+def split_parity(rows: Iterable[tuple[Any, ...]],
+                 parity_of: Mapping[tuple[int, int], tuple[Any, ...]]
+                 ) -> tuple[PieceTable, tuple[ParityRecord, ...]]:
+  """A drain's :func:`piece_row` rows -> (the table of the data pieces, the
+  parity records); ``parity_of[(stripe, block)]``: (members, layout, length)."""
+  data, parity = [], []
+  for row in rows:
+    if row[0] == PARITY_LEAF:
+      parity.append(ParityRecord(PieceTable.record(row), *parity_of[row[1][0]]))
+    else:
+      data.append(row)
+  return PieceTable.from_rows(data), tuple(parity)
+
+
 class PieceTable(Sequence[PieceRecord]):
   """A manifest's pieces, kept as rows of plain tuples ``(leaf, index,
   offset, nbytes, checksum, owner, kind value)``; each :class:`PieceRecord`
@@ -78,19 +99,19 @@ class PieceTable(Sequence[PieceRecord]):
 
   def __init__(self, records: Iterable[PieceRecord] = ()):
     self.rows: tuple[tuple[Any, ...], ...] = tuple(
-        (r.leaf, tuple(map(tuple, r.index)), r.offset, r.nbytes, tuple(r.checksum), r.owner,
-         r.kind.value) for r in records)
+        piece_row(r.leaf, r.index, r.offset, r.nbytes, r.checksum, r.owner, r.kind)
+        for r in records)
 
   @classmethod
   def from_rows(cls, rows: Iterable[tuple[Any, ...]]) -> PieceTable:
-    """A table of rows as :class:`PieceTable` keeps them (plain tuples of
-    plain values; the kind as its ``value``), built without records."""
+    """A table of :func:`piece_row` rows, built without records."""
     table = cls()
     table.rows = tuple(rows)
     return table
 
   @staticmethod
-  def _record(row: tuple[Any, ...]) -> PieceRecord:
+  def record(row: tuple[Any, ...]) -> PieceRecord:
+    """The :class:`PieceRecord` of one :func:`piece_row` row."""
     leaf, index, offset, nbytes, checksum, owner, kind = row
     return PieceRecord(leaf, index, offset, nbytes, checksum, owner, _KINDS[kind])
 
@@ -99,11 +120,11 @@ class PieceTable(Sequence[PieceRecord]):
 
   def __getitem__(self, i):  # type: ignore[override]
     if isinstance(i, slice):
-      return tuple(self._record(r) for r in self.rows[i])
-    return self._record(self.rows[i])
+      return tuple(self.record(r) for r in self.rows[i])
+    return self.record(self.rows[i])
 
   def __iter__(self) -> Iterator[PieceRecord]:
-    return map(self._record, self.rows)
+    return map(self.record, self.rows)
 
   def __eq__(self, other: object) -> bool:
     if isinstance(other, PieceTable):

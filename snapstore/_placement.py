@@ -219,7 +219,7 @@ def _shard_nbytes(s: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: in
 
 
 @functools.lru_cache(maxsize=4096)
-def perm_key(src: Mesh, dst: Mesh, order: tuple[jax.Device, ...]) -> tuple[tuple[int, int], ...]:
+def _perm_key(src: Mesh, dst: Mesh, order: tuple[jax.Device, ...]) -> tuple[tuple[int, int], ...]:
   """The permutation that moves each device of ``src`` to the device at the
   same place in ``dst``, as (from, to) positions in ``order``."""
   pos = {d: i for i, d in enumerate(order)}
@@ -241,7 +241,7 @@ def ring_permute(arrays: Sequence[jax.Array], targets: Sequence[NamedSharding]
   flat = tuple(mesh.devices.flat)
   groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
   for i, (a, t) in enumerate(zip(arrays, targets)):
-    groups.setdefault(perm_key(a.sharding.mesh, t.mesh, flat), []).append(i)
+    groups.setdefault(_perm_key(a.sharding.mesh, t.mesh, flat), []).append(i)
   order = sorted(groups)
   packed = [_packed(mesh, [arrays[i] for i in groups[p]]) for p in order]
   out = []

@@ -170,3 +170,22 @@ def test_a_drain_lowers_the_switch_interval_and_puts_it_back(trainer, store_dir,
     mgr.wait_until_finished()
     assert sys.getswitchinterval() == before
   assert seen == [pytest.approx(before if interval is None else interval)]
+
+
+def test_the_switch_interval_is_shared_by_drains_and_never_undoes_another_change():
+  import sys
+
+  from snapstore import _switch
+
+  before = sys.getswitchinterval()
+  try:
+    with _switch.lowered(0.0005):
+      with _switch.lowered(0.0005):  # a second manager's drain meanwhile
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+      assert sys.getswitchinterval() == pytest.approx(0.0005)  # the first still runs
+    assert sys.getswitchinterval() == before
+    with _switch.lowered(0.0005):
+      sys.setswitchinterval(0.002)  # the program's own choice, made meanwhile
+    assert sys.getswitchinterval() == pytest.approx(0.002)
+  finally:
+    sys.setswitchinterval(before)

@@ -79,7 +79,6 @@ def main() -> int:
   attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))
   report = {"host": host, "incarnation": inc, "attempt": attempt, "pid": os.getpid(),
             "in_place": in_place, "losses": {}, "digests": {}, "times": {}, "save_s": {},
-            "exit_s": {},
             "started": started, "restores": [], "recoveries": [], "phases": []}
 
   def mark(name: str) -> None:  # a timeline of this process, for the demo's report
@@ -159,8 +158,6 @@ def main() -> int:
               state, loss = train(trainer, state, s + done)
               record(trainer, state, s + done, loss)
               done += 1
-            t_exit = time.perf_counter()
-          report["exit_s"][s + done - 1] = time.perf_counter() - t_exit  # barrier, checks
           s += done
         except (*job.FAILURES, recovery.RestartRequired) as e:
           mark(f"failed: {type(e).__name__}")

@@ -24,7 +24,7 @@ from ..._assemble import Assembler, BadCopy
 from ..._checksum import ChecksumKind, copy_verified, crc_matches, piece_key
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
-from ..._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceTable
+from ..._manifest import Manifest, piece_row, split_parity
 from ... import _group, _parity
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
@@ -117,12 +117,10 @@ class HostFilesBackend(DomainStores):
                             chunk_bytes=self.options.chunk_bytes)
       # Rows, not records: nothing per piece outlives the drain as an object
       # the garbage collector tracks (see PieceTable).
-      crc = ChecksumKind.CRC32C.value
-      rows = [(p.leaf, p.index, off, p.nbytes, c, owner, crc)
-              for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners)]
-      parity = tuple(ParityRecord(PieceTable.from_rows([row])[0], *cap.parity[row[1][0]])
-                     for row in rows if row[0] == PARITY_LEAF)
-      store.commit(Manifest(pieces=PieceTable.from_rows(r for r in rows if r[0] != PARITY_LEAF),
+      pieces, parity = split_parity(
+          (piece_row(p.leaf, p.index, off, p.nbytes, c, owner, ChecksumKind.CRC32C)
+           for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners)), cap.parity)
+      store.commit(Manifest(pieces=pieces,
                             created=time.time(), host=store.host, slot=slot,
                             scalars=dict(cap.scalars), parity=parity,
                             **pending.header.fields()))

@@ -254,12 +254,6 @@ def layout_offsets(pieces: Sequence[Piece]) -> list[int]:
   return offsets
 
 
-#: A snapshot of at most this many bytes is copied on the drain thread
-#: itself: handing its pieces to the pool costs more than the copies (a
-#: 107-leaf toy state on 4 processes sharing 2 cores, the demo's job).
-INLINE_BYTES = 4 << 20
-
-
 def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
           pool: futures.Executor, chunk_bytes: int) -> list[tuple[int, ...]]:
   """Copies every piece into ``dst`` at ``offsets``; returns each piece's
@@ -301,11 +295,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
       size = 0
     batches[-1].append(c)
     size += c[3] - c[2]
-  if sum(p.nbytes for p in cap.pieces) <= INLINE_BYTES:  # a small snapshot: no hand-offs
-    flat = [crc for b in batches if b for crc in copy_chunks(b)]
-  else:
-    flat = [crc for f in [pool.submit(copy_chunks, b) for b in batches if b]
-            for crc in f.result()]
+  flat = [crc for f in [pool.submit(copy_chunks, b) for b in batches if b] for crc in f.result()]
   crcs, at = [], 0
   for n in per_piece:
     crcs.append(tuple(flat[at:at + n]))

@@ -29,7 +29,7 @@ from ..._checksum import (ChecksumKind, as_checksum, copy_verified, crc_matches,
 from ..._index import Index, shape_of
 from ..._layout import LeafKind, LeafSpec
 from ... import _parity
-from ..._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceTable
+from ..._manifest import Manifest, piece_row, split_parity
 from ..._planner import Copy, StepPlan
 from ...options import SnapshotOptions, StoreKind
 from ..base import DomainStores, Header, retain
@@ -110,14 +110,12 @@ class PinnedHostBackend(DomainStores):
     for sid, slot in pending.slots.items():
       store = self.stores[sid]
       sums = cap.checksums(sid, self._pool)
-      rows = [(p.leaf, p.index, pos, p.nbytes, tuple(ck), owner,
-               cap.kinds[(p.leaf, p.index)].value)
-              for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums))]
-      parity = tuple(ParityRecord(PieceTable.from_rows([row])[0], *cap.parity[row[1][0]])
-                     for row in rows if row[0] == PARITY_LEAF)
+      pieces, parity = split_parity(
+          (piece_row(p.leaf, p.index, pos, p.nbytes, ck, owner, cap.kinds[(p.leaf, p.index)])
+           for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums))), cap.parity)
       nbytes += cap.nbytes(sid)
       store.fill(slot, cap.arrays[sid])
-      store.commit(Manifest(pieces=PieceTable.from_rows(r for r in rows if r[0] != PARITY_LEAF),
+      store.commit(Manifest(pieces=pieces,
                             created=time.time(), host=sid, slot=slot, parity=parity,
                             scalars=dict(cap.scalars), **pending.header.fields()))
       retain(store, self.options.keep, self.options.carries_replicas)
