@@ -203,6 +203,7 @@ class Snapshotter:
     opts = options or SnapshotOptions(interval=1, keep=1, run_id="snapshotter")
     self._slices = slices if slices is not None else slices_of(jax.devices())
     self._mgr = SnapshotManager(opts, persistent=persistent, slices=self._slices)
+    # where the last load came from (its ``state`` is None)
     self.last_restore: RestoreResult | None = None
 
   @property
@@ -222,15 +223,18 @@ class Snapshotter:
     """
     del reset_snapshot_state
     try:
-      self.last_restore = self._mgr.restore(abstract_state)
+      result = self._mgr.restore(abstract_state)
     except NothingToRestoreError as e:
       raise RuntimeError(f"No snapshots available to restore from: {e}") from e
+    # Where it came from, without the state: holding it would keep a second
+    # state in memory once the caller's steps have replaced it.
+    self.last_restore = dataclasses.replace(result, state=None)
     # The slices the state now lives on are up: later snapshots use them.
-    devices = {d for x in jax.tree.leaves(self.last_restore.state)
+    devices = {d for x in jax.tree.leaves(result.state)
                if isinstance(x, jax.Array) for d in x.sharding.device_set}
     self._mgr.set_active_domains(sorted({k for k, devs in self._slices.items()
                                          if devices & set(devs)}))
-    return self.last_restore.state
+    return result.state
 
   def join(self) -> None:
     """Blocks until the snapshot in flight is complete."""

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checksum import aligned_empty, host_arena
+from ._arena import ArenaCache, host_arena
+from ._checksum import aligned_empty
 from ._index import Index, align, full, normalize, overlaps, shape_of, to_slices, volume
 from ._layout import LeafKind, LeafSpec, target_sharding, wants_numpy
 from ._planner import Copy, CopyKey, StepPlan
@@ -85,9 +86,11 @@ Region = Callable[[Index, jax.Device | None], tuple[Stored, bool]]
 class Assembler:
   """Builds restored leaves from one step's plan; caches verified pieces."""
 
-  def __init__(self, plan: StepPlan, source: PieceSource):
+  def __init__(self, plan: StepPlan, source: PieceSource, *,
+               arenas: ArenaCache | None = None):
     self.plan = plan
     self.source = source
+    self.arenas = arenas  # where prefetched pieces go (None: fresh memory)
     self._verified: dict[tuple[int, Index], Stored] = {}
     self.bytes_read = 0
     self.bytes_rebuilt = 0  # pieces rebuilt from parity
@@ -125,13 +128,14 @@ class Assembler:
     keys = [k for k, copies in self.plan.copies.items()
             if k not in self._verified and any(self.source.holds(c.store) for c in copies)]
     keys.sort(key=lambda k: -self.plan.copies[k][0].record.nbytes)  # big ones first
-    # One arena of fresh huge pages for every piece (the restored arrays
-    # adopt parts of it): first touched by the copy that fills it, on every
-    # core, at a cost that does not depend on what malloc happens to hold
-    # (per-piece buffers took 40-400 ms for 256 MB, the arena 44-73).
+    # One arena for every piece (the restored arrays adopt parts of it),
+    # reused from the last restore when nothing uses it any more (._arena);
+    # fresh, it is first touched by the copy that fills it, on every core
+    # (per-piece buffers took 40-400 ms for 256 MB, a fresh arena 44-73).
     # Small pieces share a task (its Python costs more than copying 64 KiB).
     sizes = [self.plan.copies[k][0].record.nbytes for k in keys]
-    arena = host_arena(sum(align(n) for n in sizes))
+    total = sum(align(n) for n in sizes)
+    arena = self.arenas.take(total) if self.arenas is not None else host_arena(total)
     tasks: list[list[tuple[tuple[int, Index], np.ndarray]]] = [[]]
     size = at = 0
     for k, n in zip(keys, sizes):

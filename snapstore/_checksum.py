@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import mmap
 from collections.abc import Sequence
 from concurrent import futures
 
@@ -119,18 +118,6 @@ def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
   raw = np.empty(nbytes + align, np.uint8)
   start = -raw.ctypes.data % align
   return raw[start:start + nbytes]
-
-
-def host_arena(nbytes: int) -> np.ndarray:
-  """Fresh, page-aligned anonymous memory (huge pages where the kernel
-  allows), as a uint8 array; unmapped when the last view of it is gone."""
-  m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-  if hasattr(mmap, "MADV_HUGEPAGE"):
-    try:
-      m.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel without transparent huge pages
-      pass
-  return np.frombuffer(m, np.uint8)[:nbytes]
 
 
 def copy_verified(src: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key: bytes,

@@ -20,6 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from . import _backends, _interval, _peers, _planner, _switch, errors, launch
+from ._arena import ArenaCache
 from ._assemble import Assembler
 from ._layout import LeafSpec, check_compatible, flatten, tree_digest
 from ._manifest import check_extra, copy_extra
@@ -80,6 +81,7 @@ class SnapshotManager:
     self._newest_step = prev_step
     self.metrics = SaveMetrics()
     self._drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
+    self._arenas = ArenaCache()  # restore memory, reused (._arena)
     self._inflight: futures.Future[None] | None = None
     self._inflight_done_at = 0.0
     self.schedule = _interval.schedule_for(self.options.interval, self.options.host_mtbf_s,
@@ -154,6 +156,7 @@ class SnapshotManager:
     t0 = time.perf_counter()
     with _switch.lowered(self.options.drain_switch_interval_s):
       nbytes = self.backend.drain(pending)
+    self._arenas.trim()  # the last restore's memory, if the state left it
     self._inflight_done_at = time.perf_counter()
     self.schedule.on_drain(self._inflight_done_at - t0)
     self.metrics.snapshots_committed += 1
@@ -244,7 +247,7 @@ class SnapshotManager:
         break
       check_compatible(plan.specs, target_specs, step=plan.step)
       t = time.perf_counter()
-      assembler = Assembler(plan, self.backend)
+      assembler = Assembler(plan, self.backend, arenas=self._arenas)
       got = self._peers.assemble(assembler, target_specs, targets)
       for why in got.bad.values():  # one note per bad copy found
         notes.append(f"step {plan.step}: {why}; using another copy or an older step")
@@ -341,6 +344,7 @@ class SnapshotManager:
       if self.persistent is not None:
         self.persistent.close()
       self.backend.close()
+      self._arenas.release()
 
   def __enter__(self) -> SnapshotManager:
     return self

@@ -149,10 +149,11 @@ class SnapshotHook:
     """(state, first step to run): the freshest snapshot or checkpoint, else
     ``init()`` from step 0."""
     try:
-      self.last_restore = self.manager.restore(abstract_state)
+      result = self.manager.restore(abstract_state)
     except NothingToRestoreError:
       return init(), 0
-    return self.last_restore.state, self.last_restore.step + 1
+    self.last_restore = dataclasses.replace(result, state=None)  # not a second state
+    return result.state, result.step + 1
 
   def on_step(self, step: int, state: Any, *, extra: Any = None) -> bool:
     """After the train step of ``step``: a snapshot (and, on its period, an
