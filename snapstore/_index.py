@@ -8,6 +8,7 @@ cuts or compares pieces uses these functions; none computes them itself.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -112,6 +113,19 @@ def _coverage(indices: Sequence[Index], shape: Sequence[int]) -> np.ndarray | No
 def disjoint(indices: Sequence[Index]) -> bool:
   """True if no two of ``indices`` (all of one leaf) share an element (False
   for a grid too fine to check)."""
+  return _disjoint(tuple(sorted(indices)))
+
+
+def tiles(indices: Sequence[Index], shape: Sequence[int]) -> bool:
+  """True if ``indices`` cover every element of a leaf of ``shape`` exactly
+  once (no gaps, no overlaps)."""
+  return _tiles(tuple(sorted(indices)), tuple(int(n) for n in shape))
+
+
+# Remembered by layout: every snapshot of a state has the same ones, and a
+# restore of 500 leaves checked them in ~10 ms each time.
+@functools.lru_cache(maxsize=4096)
+def _disjoint(indices: tuple[Index, ...]) -> bool:
   if not indices:
     return True
   shape = [max(idx[d][1] for idx in indices) for d in range(len(indices[0]))]
@@ -119,9 +133,8 @@ def disjoint(indices: Sequence[Index]) -> bool:
   return counts is not None and bool((counts <= 1).all())
 
 
-def tiles(indices: Sequence[Index], shape: Sequence[int]) -> bool:
-  """True if ``indices`` cover every element of a leaf of ``shape`` exactly
-  once (no gaps, no overlaps)."""
+@functools.lru_cache(maxsize=4096)
+def _tiles(indices: tuple[Index, ...], shape: tuple[int, ...]) -> bool:
   if volume(full(shape)) == 0:
     return True
   counts = _coverage(indices, shape)

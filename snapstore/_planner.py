@@ -145,11 +145,12 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
   copies: dict[tuple[int, Index], list[Copy]] = collections.defaultdict(list)
   parity: dict[int, dict[int, list[tuple[Copy, ParityRecord]]]] = collections.defaultdict(dict)
   for m in sorted(ms, key=lambda m: (m.host != prefer_store, m.host)):
-    slot_bytes = max([p.offset + p.nbytes for p in m.pieces] +
+    # from the rows (offset, nbytes): no record made twice per piece
+    slot_bytes = max([r[2] + r[3] for r in m.pieces.rows] +
                      [r.piece.offset + r.piece.nbytes for r in m.parity], default=0)
     for p in m.pieces:
       c = Copy(m.host, m.slot, p, slot_bytes)
-      if c.key(step) not in bad:
+      if not bad or c.key(step) not in bad:
         copies[(p.leaf, p.index)].append(c)
     for r in m.parity:
       c = Copy(m.host, m.slot, r.piece, slot_bytes)

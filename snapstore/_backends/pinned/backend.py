@@ -105,11 +105,14 @@ class PinnedHostBackend(DomainStores):
 
   def drain(self, pending: _Pending) -> int:
     cap = pending.capture
+    # Checksums first: each waits for its own copy only, so they run while
+    # later copies still land; then every copy (the ones no checksum read).
+    sums_of = {sid: cap.checksums(sid, self._pool) for sid in pending.slots}
     cap.wait()
     nbytes = 0
     for sid, slot in pending.slots.items():
       store = self.stores[sid]
-      sums = cap.checksums(sid, self._pool)
+      sums = sums_of[sid]
       pieces, parity = split_parity(
           (piece_row(p.leaf, p.index, pos, p.nbytes, ck, owner, cap.kinds[(p.leaf, p.index)])
            for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums))), cap.parity)
