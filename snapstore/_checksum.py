@@ -70,14 +70,18 @@ def piece_key(path: str, index: Sequence[Sequence[int]]) -> bytes:
 CACHE_BYTES = 256 << 10
 
 
-def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int) -> int:
+def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int,
+             also: Sequence[np.ndarray] = ()) -> int:
   """Copies ``src`` into ``dst`` (flat uint8 arrays of one size) and returns
   the crc32c of the bytes written, continued from ``crc``, computed on
-  ``dst`` part by part while each part is hot in cache."""
+  ``dst`` part by part while each part is hot in cache; each part then goes
+  on to every buffer of ``also`` (from the cache: the checked bytes)."""
   for a in range(0, src.nbytes, CACHE_BYTES):
     part = dst[a:a + CACHE_BYTES]
     np.copyto(part, src[a:a + CACHE_BYTES])
     crc = crc32c.crc32c(part, crc)
+    for other in also:
+      np.copyto(other[a:a + CACHE_BYTES], part)
   return crc
 
 

@@ -183,18 +183,22 @@ def test_restore_onto_one_slice_and_to_numpy(s2d):
 
 
 @pytest.mark.parametrize("checksum", ["host", "device"])
-def test_a_flipped_bit_in_pinned_memory_is_caught_and_another_copy_used(s2d, checksum):
+@pytest.mark.parametrize("leaf", ["tp", "dp"])
+def test_a_flipped_bit_in_pinned_memory_is_caught_and_another_copy_used(s2d, checksum, leaf):
+  """'tp': slice 1 keeps a copy of slice 0's piece; 'dp': slice 1's own
+  data-parallel twin (on CPU written from the cache as slice 0's copy
+  passes, with its checksum): either copy flipped, the other is used."""
   with manager(s2d, keep=2, pinned_checksum=checksum) as mgr:
     for step in (1, 2):
       mgr.save(step, make_state(jax.devices(), step))
     mgr.wait_until_finished()
     names = {i: s.path for i, s in enumerate(mgr.backend.stores[0].manifests()[0].leaves)}
-    # One copy of a 'tp' piece that slice 1 also holds: the other copy is used.
-    rec, arr = next((r, a) for r, a in stored(mgr, 0, 2) if names[r.leaf] == "tp")
+    # One copy of a piece that slice 1 also holds: the other copy is used.
+    rec, arr = next((r, a) for r, a in stored(mgr, 0, 2) if names[r.leaf] == leaf)
     flip_bit(arr)
     r = mgr.restore(abstract(jax.devices()))
     assert r.step == 2
-    assert any("checksum mismatch in leaf 'tp' held by slice 0" in n
+    assert any(f"checksum mismatch in leaf '{leaf}' held by slice 0" in n
                for n in r.notes), r.notes
     assert_bitwise_equal(host_copy(make_state(jax.devices(), 2)), r.state)
     # Both copies of that piece bad: step 2 cannot be rebuilt, step 1 is.

@@ -110,16 +110,23 @@ class HostFilesBackend(DomainStores):
 
   def drain(self, pending: _Pending) -> int:
     nbytes = 0
+    offsets = {store.host: _capture.layout_offsets(cap.pieces)
+               for store, cap, _ in pending.jobs}
+    # Every store's pieces in one pass (one store per domain on a single
+    # controller: a data-parallel twin is copied once from the source).
+    crcs_of = _capture.drain_domains(
+        {store.host: cap for store, cap, _ in pending.jobs},
+        {store.host: store.slot_buffer(slot) for store, _, slot in pending.jobs},
+        offsets, pool=self._pool, chunk_bytes=self.options.chunk_bytes)
     for store, cap, slot in pending.jobs:
-      offsets = _capture.layout_offsets(cap.pieces)
       nbytes += cap.nbytes
-      crcs = _capture.drain(cap, store.slot_buffer(slot), offsets, pool=self._pool,
-                            chunk_bytes=self.options.chunk_bytes)
+      crcs = crcs_of[store.host]
       # Rows, not records: nothing per piece outlives the drain as an object
       # the garbage collector tracks (see PieceTable).
       pieces, parity = split_parity(
           (piece_row(p.leaf, p.index, off, p.nbytes, c, owner, ChecksumKind.CRC32C)
-           for p, off, c, owner in zip(cap.pieces, offsets, crcs, cap.owners)), cap.parity)
+           for p, off, c, owner in zip(cap.pieces, offsets[store.host], crcs, cap.owners)),
+          cap.parity)
       store.commit(Manifest(pieces=pieces,
                             created=time.time(), host=store.host, slot=slot,
                             scalars=dict(cap.scalars), parity=parity,

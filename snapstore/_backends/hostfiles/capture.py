@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -255,20 +255,27 @@ def layout_offsets(pieces: Sequence[Piece]) -> list[int]:
 
 
 def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
-          pool: futures.Executor, chunk_bytes: int) -> list[tuple[int, ...]]:
+          pool: futures.Executor, chunk_bytes: int,
+          twins: Sequence[Sequence[tuple[np.ndarray, int]]] | None = None
+          ) -> list[tuple[int, ...]]:
   """Copies every piece into ``dst`` at ``offsets``; returns each piece's
   crc32c per chunk (``ChecksumKind.CRC32C``, seeded by :func:`piece_key`),
-  computed while it is hot in cache."""
+  computed while it is hot in cache. ``twins[j]``: more (buffer, offset)
+  places for piece ``j``'s bytes, written from the cache as they pass."""
 
-  Chunk = tuple[np.ndarray, int, int, int, int]  # (source, at, start, end, seed)
+  # (source, at, start, end, seed, twin places)
+  Chunk = tuple[np.ndarray, int, int, int, int, Sequence[tuple[np.ndarray, int]]]
 
   def copy_chunks(batch: list[Chunk]) -> list[int]:
-    return [copy_crc(dst[at + a: at + b], src[a:b], seed) for src, at, a, b, seed in batch]
+    return [copy_crc(dst[at + a: at + b], src[a:b], seed,
+                     [buf[t + a: t + b] for buf, t in more])
+            for src, at, a, b, seed, more in batch]
 
   chunks: list[Chunk] = []
   per_piece: list[int] = []  # chunks of each piece, in order
   rows: dict[int, np.ndarray] = {}  # id(row) -> its bytes (the drain waits for the move)
-  for source, piece, at in zip(cap.sources, cap.pieces, offsets):
+  for j, (source, piece, at) in enumerate(zip(cap.sources, cap.pieces, offsets)):
+    more = twins[j] if twins is not None else ()
     if isinstance(source, Packed):
       row = rows.get(id(source.row))
       if row is None:
@@ -283,7 +290,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
             else cap.specs[piece.leaf].path)
     key = piece_key(path, piece.index)
     starts = range(0, max(src.nbytes, 1), chunk_bytes)
-    chunks.extend((src, at, a, min(a + chunk_bytes, src.nbytes), seed)
+    chunks.extend((src, at, a, min(a + chunk_bytes, src.nbytes), seed, more)
                   for a, seed in zip(starts, chunk_seeds(key, len(starts))))
     per_piece.append(len(starts))
   # Small pieces travel together: one task per ~chunk_bytes, not one per piece.
@@ -294,7 +301,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
       batches.append([])
       size = 0
     batches[-1].append(c)
-    size += c[3] - c[2]
+    size += (c[3] - c[2]) * (1 + len(c[5]))  # twins are written too
   flat = [crc for f in [pool.submit(copy_chunks, b) for b in batches if b] for crc in f.result()]
   crcs, at = [], 0
   for n in per_piece:
@@ -302,6 +309,37 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
     at += n
   cap.release()
   return crcs
+
+
+def drain_domains(caps: Mapping[int, Capture], bufs: Mapping[int, np.ndarray],
+                  offsets: Mapping[int, Sequence[int]], *, pool: futures.Executor,
+                  chunk_bytes: int) -> dict[int, list[tuple[int, ...]]]:
+  """:func:`drain` of several domains' captures (single controller), each
+  into its own buffer. A piece an earlier domain keeps too (a data-parallel
+  twin) is written from the cache as that domain's copy passes: the same
+  checked bytes, one read of memory and one crc32c for both (its own
+  source is not read)."""
+  first: dict[tuple[int, Index], tuple[int, int]] = {}  # piece -> (domain, j)
+  twins = {d: [[] for _ in cap.pieces] for d, cap in caps.items()}
+  twin_of: dict[tuple[int, int], tuple[int, int]] = {}
+  for d, cap in caps.items():
+    for j, p in enumerate(cap.pieces):
+      seen = first.setdefault((p.leaf, p.index), (d, j))
+      if seen != (d, j):
+        twins[seen[0]][seen[1]].append((bufs[d], offsets[d][j]))
+        twin_of[(d, j)] = seen
+  crcs: dict[tuple[int, int], tuple[int, ...]] = {}
+  for d, cap in caps.items():
+    own = [j for j in range(len(cap.pieces)) if (d, j) not in twin_of]
+    part = Capture(cap.specs, [cap.pieces[j] for j in own], [cap.owners[j] for j in own],
+                   [cap.sources[j] for j in own], {})
+    got = drain(part, bufs[d], [offsets[d][j] for j in own], pool=pool,
+                chunk_bytes=chunk_bytes, twins=[twins[d][j] for j in own])
+    crcs.update(((d, j), c) for j, c in zip(own, got))
+  for cap in caps.values():
+    cap.release()
+  return {d: [crcs[twin_of.get((d, j), (d, j))] for j in range(len(cap.pieces))]
+          for d, cap in caps.items()}
 
 
 def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
