@@ -159,10 +159,12 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   # leaf, and the drain a second pass for the crc32c and fresh pages).
   on_host = checksum is ChecksumKind.CRC32C and all(
       d.platform == "cpu" for devs in ring.slices.values() for d in devs)
+  if on_host:
+    cap.host = {d: (HostCapture(list(specs), [], [], [], {}), []) for d in ring.order}
   for i, arr, plan in planned:
     if on_host:
       for (index, d), (data, device) in plan.sources_on(ring).items():
-        hc, targets = cap.host.setdefault(d, (HostCapture(list(specs), [], [], [], {}), []))
+        hc, targets = cap.host[d]
         hc.pieces.append(Piece(i, index, plan.nbytes(index)))
         hc.owners.append(d)
         hc.sources.append(np.asarray(data))  # pins the buffer (no donation)
