@@ -319,14 +319,17 @@ def drain_domains(caps: Mapping[int, Capture], bufs: Mapping[int, np.ndarray],
   twin) is written from the cache as that domain's copy passes: the same
   checked bytes, one read of memory and one crc32c for both (its own
   source is not read)."""
+  if len(caps) == 1:  # one store (multi-controller): nothing to share
+    (d, cap), = caps.items()
+    return {d: drain(cap, bufs[d], offsets[d], pool=pool, chunk_bytes=chunk_bytes)}
   first: dict[tuple[int, Index], tuple[int, int]] = {}  # piece -> (domain, j)
-  twins = {d: [[] for _ in cap.pieces] for d, cap in caps.items()}
+  twins: dict[tuple[int, int], list[tuple[np.ndarray, int]]] = {}
   twin_of: dict[tuple[int, int], tuple[int, int]] = {}
   for d, cap in caps.items():
     for j, p in enumerate(cap.pieces):
       seen = first.setdefault((p.leaf, p.index), (d, j))
       if seen != (d, j):
-        twins[seen[0]][seen[1]].append((bufs[d], offsets[d][j]))
+        twins.setdefault(seen, []).append((bufs[d], offsets[d][j]))
         twin_of[(d, j)] = seen
   crcs: dict[tuple[int, int], tuple[int, ...]] = {}
   for d, cap in caps.items():
@@ -334,7 +337,7 @@ def drain_domains(caps: Mapping[int, Capture], bufs: Mapping[int, np.ndarray],
     part = Capture(cap.specs, [cap.pieces[j] for j in own], [cap.owners[j] for j in own],
                    [cap.sources[j] for j in own], {})
     got = drain(part, bufs[d], [offsets[d][j] for j in own], pool=pool,
-                chunk_bytes=chunk_bytes, twins=[twins[d][j] for j in own])
+                chunk_bytes=chunk_bytes, twins=[twins.get((d, j), ()) for j in own])
     crcs.update(((d, j), c) for j, c in zip(own, got))
   for cap in caps.values():
     cap.release()
