@@ -23,7 +23,6 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from ..._arena import ArenaCache
 from ..._assemble import Assembler, BadCopy
 from ..._checksum import (ChecksumKind, as_checksum, copy_verified, crc_matches,
                           device_checksum, piece_key, shard_checksums)
@@ -73,8 +72,6 @@ class PinnedHostBackend(DomainStores):
     # use) and the copy put back; else each leaf is put back from its
     # devices' own copies at once and verified there (place_leaf).
     self.prefetch_pool = pool if self.checksum is ChecksumKind.CRC32C else None
-    # CPU: each slot's memory, reused once its last snapshot's arrays are gone
-    self._slot_memory: dict[tuple[int, int], ArenaCache] = {}
     super().__init__({i: PinnedHostStore(i, keep=options.keep,
                                          budget_bytes=options.budget_bytes)
                       for i in sorted(slices)}, run_id=options.run_id)
@@ -109,8 +106,8 @@ class PinnedHostBackend(DomainStores):
   def drain(self, pending: _Pending) -> int:
     cap = pending.capture
     if cap.host:  # CPU: one pass per byte, on the host, into the slot's memory
-      cap.copy_on_host(lambda sid, n: self._slot_memory.setdefault(
-          (sid, pending.slots[sid]), ArenaCache()).take(n), self._pool, self.options.chunk_bytes)
+      cap.copy_on_host(lambda sid, n: self.stores[sid].memory(pending.slots[sid], n),
+                       self._pool, self.options.chunk_bytes)
     # Checksums first: each waits for its own copy only, so they run while
     # later copies still land; then every copy (the ones no checksum read).
     sums_of = {sid: cap.checksums(sid, self._pool) for sid in pending.slots}

@@ -9,6 +9,11 @@ that has no data-parallel twin on the next domains in ring order
 (:func:`._placement.ring_keepers`). Nothing crosses to the controller but the
 checksums (:mod:`._checksum`). Numpy leaves and Python scalars are controller
 state (the controller survives on Pathways) and are kept as controller copies.
+
+On CPU devices (whose ``pinned_host`` memory is this process's RAM) the copy
+is made on the host instead: ``capture`` pins views of the shards, and the
+drain copies each piece once with its crc32c into the slot's reused memory,
+which ``pinned_host`` arrays then adopt (:meth:`PinnedCapture.copy_on_host`).
 """
 
 from __future__ import annotations

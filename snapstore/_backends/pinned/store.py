@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from ... import _faults, _planner
+from ..._arena import ArenaCache
 from ..._manifest import Manifest, kept_copy
 from ..base import NO_PROGRESS
 
@@ -43,6 +44,9 @@ class PinnedHostStore:
     self.budget_bytes = budget_bytes
     self._manifests: dict[tuple[int, int], Manifest] = {}  # (step, incarnation) ->
     self._slots: dict[int, list[Stored]] = {}  # slot -> its arrays
+    # CPU: each slot's host memory, which its arrays adopt and the slot's
+    # next snapshot reuses once they are freed (a slot file's counterpart)
+    self._memory: dict[int, ArenaCache] = {}
     self.num_slots = keep + 1
     self._progress = NO_PROGRESS
 
@@ -58,11 +62,18 @@ class PinnedHostStore:
         where=f"the pinned host memory on slice {self.host}")
     for slot in [s for s in self._slots if s >= self.num_slots]:
       self._drop_slot(slot, "slot count reduced")
+    for slot in [s for s in self._memory if s >= self.num_slots]:
+      self._memory.pop(slot).release()
     slot, evict = _planner.free_slot(self.manifests(), self.num_slots)
     if evict is not None:
       self.delete(evict, f"evicted to free a slot for step {step}")
     self._drop_slot(slot, f"slot {slot} reused for step {step}")
     return slot
+
+  def memory(self, slot: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of host memory for ``slot``'s arrays to adopt: the slot's
+    last memory once nothing uses it, else fresh (:mod:`..._arena`)."""
+    return self._memory.setdefault(slot, ArenaCache()).take(nbytes)
 
   def fill(self, slot: int, arrays: list[Stored]) -> None:
     self._slots[slot] = arrays
@@ -100,6 +111,9 @@ class PinnedHostStore:
       self.delete(m, "wiped")
     for slot in list(self._slots):
       _free(self._slots.pop(slot))
+    for memory in self._memory.values():
+      memory.release()
+    self._memory.clear()
     self._progress = NO_PROGRESS
 
   def write_progress(self, step: int, incarnation: int) -> None:
