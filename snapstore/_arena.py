@@ -57,13 +57,15 @@ class ArenaCache:
     self._lazy = False  # the kept mapping was given MADV_FREE
     self._idle_refs = _baseline()
 
-  def _idle(self) -> bool:
+  def _idle(self, flush: bool) -> bool:
     if not self._kept:
       return False
-    if sys.getrefcount(self._kept[0]) > self._idle_refs:
+    if flush and sys.getrefcount(self._kept[0]) > self._idle_refs:
       # jaxlib hands the host buffers that arrays adopted back to Python
       # from its own threads and drops them only in a garbage-collector
-      # callback: run one (the youngest generation: cheap).
+      # callback: run one (the youngest generation: cheap). Once a restore,
+      # not every snapshot: each explicit collection brings the older
+      # generations' (full, slow) collections closer.
       gc.collect(0)
     return sys.getrefcount(self._kept[0]) <= self._idle_refs
 
@@ -72,7 +74,7 @@ class ArenaCache:
     array and view of it is gone: the kept arena if it is idle and large
     enough, else a fresh one (then kept instead)."""
     with self._lock:
-      if self._idle() and len(self._kept[0]) >= nbytes:
+      if self._idle(flush=True) and len(self._kept[0]) >= nbytes:
         m = self._kept[0]  # writing cancels a MADV_FREE: pages not taken stay
       else:
         m = _mapping(nbytes)
@@ -84,7 +86,7 @@ class ArenaCache:
     """Lets the kernel take the kept arena's pages when it needs memory,
     if nothing uses them (once per idle period)."""
     with self._lock:
-      if self._lazy or not self._idle():
+      if self._lazy or not self._idle(flush=False):
         return
       advice = getattr(mmap, "MADV_FREE", getattr(mmap, "MADV_DONTNEED", None))
       if advice is not None:
