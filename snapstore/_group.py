@@ -68,6 +68,8 @@ def _shapes(n: int, max_dims: int) -> list[tuple[int, ...]]:
 MAX_DRAWS = 200_000
 EXHAUSTIVE = 8  # up to this many devices, every order is tried (8! = 40,320)
 LOOKAHEAD = 16  # orders that fit, compared for the room each leaves
+SAMPLE = 1024  # fitting orders among which that room is counted (then the search stops)
+BATCH = 1024  # orders checked at a time
 
 
 @functools.lru_cache(maxsize=16)
@@ -124,33 +126,36 @@ def rekeyed(live: Mapping[jax.Device, int], used: set[tuple[int, ...]],
   most others still fit beside). Taking the first that fitted left no order
   for a second heal about one time in a hundred with 8 devices. Up to
   :data:`EXHAUSTIVE` devices every order is tried, beyond that
-  :data:`MAX_DRAWS` random ones; they are tried in an order drawn from a
-  generator seeded by ``live``, so every process chooses the same. None if
-  none fits (then only a full restart clears the old keys)."""
+  :data:`MAX_DRAWS` random ones, until :data:`SAMPLE` fit; they are tried
+  in an order drawn from a generator seeded by ``live``, so every process
+  chooses the same. None if none fits (then only a full restart clears the
+  old keys)."""
   key = repr(sorted((d.id, int(inc)) for d, inc in live.items())).encode()
   rng = np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
   ordered = sorted(live, key=lambda d: d.id)
   n = len(ordered)
   rank = {d.id: r for r, d in enumerate(ordered)}
-  if n <= EXHAUSTIVE:
-    orders = _every_order(n)[rng.permutation(math.factorial(n))]
-  else:
-    orders = rng.permuted(np.tile(np.arange(n), (MAX_DRAWS, 1)), axis=1)
+  every = _every_order(n)[rng.permutation(math.factorial(n))] if n <= EXHAUSTIVE else None
+  total = len(every) if every is not None else MAX_DRAWS
   is_new = np.array([d.id in new for d in ordered])
   stale = {int(_hash(np.array([rank[i] for i in c]), n)) for c in used
            if all(i in rank for i in c) and any(i in new for i in c)}
   stale_codes = np.array(sorted(stale - {0}), dtype=np.uint64)
-  fit_orders, fit_codes = [], []
-  for lo in range(0, len(orders), 4096):  # bounded memory
-    batch = orders[lo:lo + 4096]
+  fit_orders, fit_codes, fits = [], [], 0
+  for lo in range(0, total, BATCH):  # bounded memory: a batch, and SAMPLE fits
+    batch = (every[lo:lo + BATCH] if every is not None else
+             rng.permuted(np.tile(np.arange(n), (min(BATCH, total - lo), 1)), axis=1))
     codes = _codes(batch, n, is_new)
     ok = ~np.isin(codes, stale_codes).any(axis=1)
     fit_orders.append(batch[ok])
     fit_codes.append(codes[ok])
+    fits += int(ok.sum())
+    if fits >= SAMPLE or (fits >= LOOKAHEAD and lo + BATCH >= MAX_DRAWS // 10):
+      break  # enough to choose from (rare fits: many devices)
   found = np.concatenate(fit_orders)
   if not len(found):
     return None
-  codes = np.concatenate(fit_codes)[:4096]  # the room is counted among these
+  codes = np.concatenate(fit_codes)[:SAMPLE]  # the room is counted among these
   room = [int((~np.isin(codes, np.setdiff1d(c, [0])).any(axis=1)).sum())
           for c in codes[:LOOKAHEAD]]
   return [ordered[r] for r in found[int(np.argmax(room))]]
