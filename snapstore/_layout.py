@@ -238,6 +238,14 @@ def check_compatible(saved: Sequence[LeafSpec], target: Sequence[LeafSpec],
           f"leaf {t.path!r}: saved as {s.describe()} at step {step}, the abstract "
           f"state asks for {t.describe()}. Fix the abstract state or restore "
           "into a model of the saved shape.", leaf=t.path)
+    if t.kind is LeafKind.ARRAY and s.kind is not LeafKind.KEY:
+      held = jax.dtypes.canonicalize_dtype(s.np_dtype)
+      if held != s.np_dtype:  # a JAX array of it would change its values
+        raise errors.TreeMismatchError(
+            f"leaf {t.path!r} was saved as {s.dtype} at step {step}, which JAX "
+            f"holds as {held} here (jax_enable_x64 is off): restoring it as a "
+            "jax.Array would change its values. Enable jax_enable_x64, or ask "
+            "for a numpy array there.", leaf=t.path)
   extra = sorted(set(saved_by_path) - target_paths)
   if extra:
     raise errors.TreeMismatchError(

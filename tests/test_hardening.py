@@ -377,3 +377,22 @@ def test_odd_keys_and_a_progress_directory_get_clear_errors_or_go_on(store_dir):
     r = mgr.restore(abstract())
   assert r.step == 2
   assert_bitwise_equal(refs[2], r.state)
+
+
+def test_a_64_bit_leaf_is_not_narrowed_into_a_jax_array_without_x64(store_dir):
+  """numpy float64/int64 leaves saved; restoring them as jax.Arrays with
+  jax_enable_x64 off would hand back float32/int32 with changed values:
+  refused, naming the leaf; as numpy they come back bitwise (found by a
+  red-team helper)."""
+  assert not jax.config.jax_enable_x64
+  state = {"f": np.linspace(0, 1, 5) / 3, "i": np.arange(4, dtype=np.int64) << 40}
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+    for leaf in ("f", "i"):
+      target = dict(state)
+      target[leaf] = jax.ShapeDtypeStruct(state[leaf].shape, state[leaf].dtype, sharding=sharding)
+      with pytest.raises(snapstore.TreeMismatchError, match=f"'{leaf}'.*jax_enable_x64"):
+        mgr.restore(target)
+    assert_bitwise_equal(state, mgr.restore(state).state)
