@@ -185,6 +185,8 @@ class SnapshotManager:
     (their workers were lost); drop what their stores held."""
     for d in domains:
       logger.warning("slice %d: its host-RAM snapshots are lost (%s)", d, reason)
+    if self._inflight is not None:  # else it could commit to a store wiped here
+      futures.wait([self._inflight])  # (its error, if any, comes with the next save)
     self.backend.forget_domains(domains, reason)
 
   def set_active_domains(self, domains: Sequence[int]) -> None:

@@ -231,6 +231,24 @@ def test_a_flipped_bit_in_pinned_memory_is_caught_and_another_copy_used(s2d, che
     assert_bitwise_equal(host_copy(make_state(jax.devices(), 1)), r.state)
 
 
+def test_each_slice_keeps_its_own_copy_of_a_numpy_leaf(s2d):
+  """A numpy leaf is kept by every slice; one bad byte in one slice's copy
+  leaves the others good (they were one shared array: found by a red-team
+  helper)."""
+  with manager(s2d) as mgr:
+    state = make_state(jax.devices(), 3)
+    state["np"] = np.arange(64, dtype=np.int32)
+    mgr.save(3, state)
+    mgr.wait_until_finished()
+    names = {i: s.path for i, s in enumerate(mgr.backend.stores[0].manifests()[0].leaves)}
+    (held,) = [a for r, a in stored(mgr, 0, 3) if names[r.leaf] == "np"]
+    held[5] ^= 1  # the store's own copy, as failing RAM would change it
+    r = mgr.restore({**abstract(jax.devices()), "np": np.zeros(64, np.int32)})
+    assert r.step == 3
+    assert any("'np'" in n and "slice 0" in n for n in r.notes), r.notes
+    assert (r.state["np"] == np.arange(64, dtype=np.int32)).all()
+
+
 def test_unreadable_arrays_of_a_lost_slice_are_skipped(s2d):
   """Nobody told the manager (no forget_domains): slice 0's pinned buffers are
   gone, reading them raises, and the copies on slice 1 are used instead.

@@ -132,9 +132,9 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       ck = crc_chunks(data, chunk_bytes=chunk_bytes, key=piece_key(spec.path, index))
       cap.sums[(i, index)] = lambda c=ck: c
       cap.kinds[(i, index)] = ChecksumKind.CRC32C
-      for k in ring.order:
+      for k in ring.order:  # a copy each: one bad byte must not spoil them all
         cap.pieces[k].append((Piece(i, index, data.nbytes), ring.order[0]))
-        cap.arrays[k].append(data)
+        cap.arrays[k].append(data if k == ring.order[0] else data.copy())
     else:
       arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
       plan = _LeafPlan.of(spec, arr, ring, replicas)
