@@ -258,20 +258,20 @@ class _LeafPlan:
     at = ring.order.index(domain)
     return next(k for k in range(1, n) if ring.order[(at - k) % n] in self.holders[index])
 
+  def source(self, index: Index, domain: int, ring: _Ring) -> tuple[jax.Array, jax.Device]:
+    """(the shard ``domain``'s copy of ``index`` is made from, the device
+    whose host keeps it): its own shard there, else the one ``shift_to``
+    places back, kept by the device at the same place in ``domain``."""
+    by_domain = self.holders[index]
+    if domain in by_domain:
+      return by_domain[domain], device_of(by_domain[domain])
+    k = self.shift_to(index, domain, ring)
+    data = by_domain[ring.order[(ring.order.index(domain) - k) % len(ring.order)]]
+    return data, ring.shifted(device_of(data), k) or ring.slices[domain][0]
+
   def sources_on(self, ring: _Ring) -> dict[tuple[Index, int], tuple[jax.Array, jax.Device]]:
-    """(index, domain) -> (the shard its copy is made from, the device whose
-    host keeps it): its own shard there, else the one ``shift_to`` places
-    back, kept by the device at the same place in ``domain``."""
-    out = {}
-    for index, t in self.keep:
-      by_domain = self.holders[index]
-      if t in by_domain:
-        out[(index, t)] = (by_domain[t], device_of(by_domain[t]))
-        continue
-      k = self.shift_to(index, t, ring)
-      data = by_domain[ring.order[(ring.order.index(t) - k) % len(ring.order)]]
-      out[(index, t)] = (data, ring.shifted(device_of(data), k) or ring.slices[t][0])
-    return out
+    """:meth:`source` of every (index, domain) copy this leaf needs."""
+    return {(index, t): self.source(index, t, ring) for index, t in self.keep}
 
   def dispatch(self, arr: jax.Array, ring: _Ring) -> dict[tuple[Index, int], jax.Array]:
     """Starts the copies: whole-array ``device_put``s where the sharding
@@ -290,7 +290,6 @@ class _LeafPlan:
         data = self.holders[index][d]
         out[(index, d)] = jax.device_put(data, _pinned_on(device_of(data)), may_alias=False)
     by_shift: dict[int, list[tuple[Index, int]]] = {}
-    n = len(ring.order)
     for index, t in self.keep:
       if t not in self.holders[index]:
         by_shift.setdefault(self.shift_to(index, t, ring), []).append((index, t))
@@ -302,9 +301,7 @@ class _LeafPlan:
         self._collect(jax.device_put(whole, moved), ring, shape, wanted, out)
         continue
       for index, t in wanted:  # one by one, from the domain k places back
-        src_domain = ring.order[(ring.order.index(t) - k) % n]
-        data = self.holders[index][src_domain]
-        there = ring.shifted(device_of(data), k) or ring.slices[t][0]
+        data, there = self.source(index, t, ring)
         out[(index, t)] = jax.device_put(data, _pinned_on(there))
     return out
 
