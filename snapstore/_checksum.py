@@ -76,6 +76,12 @@ def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int,
   the crc32c of the bytes written, continued from ``crc``, computed on
   ``dst`` part by part while each part is hot in cache; each part then goes
   on to every buffer of ``also`` (from the cache: the checked bytes)."""
+  if src.nbytes <= CACHE_BYTES:  # one part (a small piece): no loop, no slicing
+    np.copyto(dst, src)
+    crc = crc32c.crc32c(dst, crc)
+    for other in also:
+      np.copyto(other, dst)
+    return crc
   for a in range(0, src.nbytes, CACHE_BYTES):
     part = dst[a:a + CACHE_BYTES]
     np.copyto(part, src[a:a + CACHE_BYTES])

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _group
 from ._index import Index, normalize
+from ._layout import positions
 
 
 def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) -> dict[int, int]:
@@ -268,12 +269,36 @@ def holders_by_domain(path: str, arr: jax.Array, domain_of: Mapping[jax.Device, 
   """Single controller: global index -> failure domain -> that domain's data
   of the shard (its first device's), for every addressable shard of ``arr``.
   Raises ValueError if a shard sits on a device of no active domain."""
-  shape = tuple(arr.shape)
-  out: dict[Index, dict[int, jax.Array]] = {}
-  for shard in arr.addressable_shards:
-    d = domain_of.get(shard.device)
+  order = positions(arr)  # device id -> position in addressable_data
+  layout = _holder_layout(arr.sharding, tuple(arr.shape), tuple(domain_of.items()),
+                          tuple(order))
+  if isinstance(layout, str):
+    raise ValueError(f"leaf {path!r} has a shard on {layout}, which is in no slice that "
+                     "is up; snapshots go to the active slices only")
+  if arr.is_fully_replicated:  # addressable_data hands out one device's copy
+    shards = arr.addressable_shards
+    return {index: {d: shards[at].data for d, at in held} for index, held in layout}
+  # addressable_data: the shards' own arrays (``addressable_shards`` makes a
+  # Shard object per device, kept with the array: garbage the collector
+  # walks, thousands a snapshot)
+  return {index: {d: arr.addressable_data(at) for d, at in held} for index, held in layout}
+
+
+@functools.lru_cache(maxsize=4096)
+def _holder_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
+                   domain_of: tuple[tuple[jax.Device, int], ...], device_ids: tuple[int, ...]
+                   ) -> tuple[tuple[Index, tuple[tuple[int, int], ...]], ...] | str:
+  """(index, ((domain, position of its first shard there), ...)) of each
+  distinct index, ``device_ids`` in position order (the same for every
+  array of a sharding: computed once; a state has thousands of shards); or
+  the first device of no domain, as text."""
+  where = {device.id: d for device, d in domain_of}
+  indices = {device.id: idx for device, idx in
+             sharding.addressable_devices_indices_map(shape).items()}
+  out: dict[Index, dict[int, int]] = {}
+  for at, device_id in enumerate(device_ids):
+    d = where.get(device_id)
     if d is None:
-      raise ValueError(f"leaf {path!r} has a shard on {shard.device}, which is in no "
-                       "slice that is up; snapshots go to the active slices only")
-    out.setdefault(normalize(shard.index, shape), {}).setdefault(d, shard.data)
-  return out
+      return next(str(x) for x in sharding.device_set if x.id == device_id)
+    out.setdefault(normalize(indices[device_id], shape), {}).setdefault(d, at)
+  return tuple((index, tuple(held.items())) for index, held in out.items())

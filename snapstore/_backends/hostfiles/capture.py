@@ -101,8 +101,21 @@ def _received_plan(src: jax.sharding.NamedSharding, dst: jax.sharding.NamedShard
   return tuple(sorted(plan))
 
 
-def _bytes_of(x: np.ndarray) -> np.ndarray:
-  return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+def _bytes_of(x: np.ndarray | jax.Array) -> np.ndarray:
+  """The bytes of a source: a host view as it is (the usual case: one
+  ``reshape`` and one ``view``), else its host copy, made contiguous."""
+  if type(x) is not np.ndarray or not x.flags.c_contiguous:
+    x = np.ascontiguousarray(np.asarray(x))
+  return x.reshape(-1).view(np.uint8)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the same pieces every snapshot
+def _chunk_plan(path: str, index: Index, nbytes: int, chunk_bytes: int
+                ) -> tuple[tuple[int, int, int], ...]:
+  """(start, end, crc32c seed) of each ``chunk_bytes`` chunk of a piece."""
+  starts = range(0, max(nbytes, 1), chunk_bytes)
+  seeds = chunk_seeds(piece_key(path, index), len(starts))
+  return tuple((a, min(a + chunk_bytes, nbytes), seed) for a, seed in zip(starts, seeds))
 
 
 def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
@@ -263,12 +276,12 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   computed while it is hot in cache. ``twins[j]``: more (buffer, offset)
   places for piece ``j``'s bytes, written from the cache as they pass."""
 
-  # (source, at, start, end, seed, twin places)
+  # (source bytes, at, start, end, seed, twin places)
   Chunk = tuple[np.ndarray, int, int, int, int, Sequence[tuple[np.ndarray, int]]]
 
   def copy_chunks(batch: list[Chunk]) -> list[int]:
-    return [copy_crc(dst[at + a: at + b], src[a:b], seed,
-                     [buf[t + a: t + b] for buf, t in more])
+    return [copy_crc(dst[at + a: at + b], src if b - a == src.nbytes else src[a:b], seed,
+                     [buf[t + a: t + b] for buf, t in more] if more else ())
             for src, at, a, b, seed, more in batch]
 
   chunks: list[Chunk] = []
@@ -282,17 +295,19 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
         row = rows[id(source.row)] = np.asarray(source.row)
       src = row[source.start:source.start + piece.nbytes]
     else:
-      src = _bytes_of(np.asarray(source))
+      src = _bytes_of(source)
     if src.nbytes != piece.nbytes:
       raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, "
                        f"expected {piece.nbytes}")
     path = (_parity.PARITY_PATH if piece.leaf == _parity.PARITY_LEAF
             else cap.specs[piece.leaf].path)
-    key = piece_key(path, piece.index)
-    starts = range(0, max(src.nbytes, 1), chunk_bytes)
-    chunks.extend((src, at, a, min(a + chunk_bytes, src.nbytes), seed, more)
-                  for a, seed in zip(starts, chunk_seeds(key, len(starts))))
-    per_piece.append(len(starts))
+    plan = _chunk_plan(path, piece.index, piece.nbytes, chunk_bytes)
+    if len(plan) == 1:  # most pieces of a many-leaves state: no generator
+      a, b, seed = plan[0]
+      chunks.append((src, at, a, b, seed, more))
+    else:
+      chunks.extend([(src, at, a, b, seed, more) for a, b, seed in plan])
+    per_piece.append(len(plan))
   # Small pieces travel together: one task per ~chunk_bytes, not one per piece.
   batches: list[list[Chunk]] = [[]]
   size = 0
