@@ -264,34 +264,52 @@ def ring_keepers(holders: Collection[int], order: Sequence[int], replicas: int) 
   return sorted(keepers)
 
 
+# index -> ((domain, position of its first shard there), ...), per distinct index
+HolderLayout = tuple[tuple[Index, tuple[tuple[int, int], ...]], ...]
+
+
+def holder_layout(path: str, arr: jax.Array, domain_of: Mapping[jax.Device, int]
+                  ) -> HolderLayout:
+  """Single controller: each distinct index of ``arr``, with the domains
+  holding it and the position (in :func:`shard_arrays`) of each one's first
+  shard. The same for every array of a sharding: computed once (a state has
+  thousands of shards). Raises ValueError if a shard sits on a device of no
+  active domain."""
+  layout = _holder_layout(arr.sharding, tuple(arr.shape), tuple(domain_of.items()),
+                          tuple(positions(arr)))
+  if isinstance(layout, str):
+    raise ValueError(f"leaf {path!r} has a shard on {layout}, which is in no slice that "
+                     "is up; snapshots go to the active slices only")
+  return layout
+
+
+def shard_arrays(arr: jax.Array) -> list[jax.Array]:
+  """Each addressable shard's array, in position order. ``addressable_data``:
+  the shards' own arrays (``addressable_shards`` makes a Shard object per
+  device, kept with the array: garbage the collector walks, thousands a
+  snapshot), except for a fully replicated array, where it hands out one
+  device's copy for every position."""
+  if arr.is_fully_replicated:
+    return [s.data for s in arr.addressable_shards]
+  return [arr.addressable_data(at) for at in range(len(positions(arr)))]
+
+
 def holders_by_domain(path: str, arr: jax.Array, domain_of: Mapping[jax.Device, int]
                       ) -> dict[Index, dict[int, jax.Array]]:
   """Single controller: global index -> failure domain -> that domain's data
   of the shard (its first device's), for every addressable shard of ``arr``.
   Raises ValueError if a shard sits on a device of no active domain."""
-  order = positions(arr)  # device id -> position in addressable_data
-  layout = _holder_layout(arr.sharding, tuple(arr.shape), tuple(domain_of.items()),
-                          tuple(order))
-  if isinstance(layout, str):
-    raise ValueError(f"leaf {path!r} has a shard on {layout}, which is in no slice that "
-                     "is up; snapshots go to the active slices only")
-  if arr.is_fully_replicated:  # addressable_data hands out one device's copy
-    shards = arr.addressable_shards
-    return {index: {d: shards[at].data for d, at in held} for index, held in layout}
-  # addressable_data: the shards' own arrays (``addressable_shards`` makes a
-  # Shard object per device, kept with the array: garbage the collector
-  # walks, thousands a snapshot)
-  return {index: {d: arr.addressable_data(at) for d, at in held} for index, held in layout}
+  layout = holder_layout(path, arr, domain_of)
+  data = shard_arrays(arr)
+  return {index: {d: data[at] for d, at in held} for index, held in layout}
 
 
 @functools.lru_cache(maxsize=4096)
 def _holder_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
                    domain_of: tuple[tuple[jax.Device, int], ...], device_ids: tuple[int, ...]
-                   ) -> tuple[tuple[Index, tuple[tuple[int, int], ...]], ...] | str:
-  """(index, ((domain, position of its first shard there), ...)) of each
-  distinct index, ``device_ids`` in position order (the same for every
-  array of a sharding: computed once; a state has thousands of shards); or
-  the first device of no domain, as text."""
+                   ) -> HolderLayout | str:
+  """:func:`holder_layout`, ``device_ids`` in position order; or the first
+  device of no domain, as text."""
   where = {device.id: d for device, d in domain_of}
   indices = {device.id: idx for device, idx in
              sharding.addressable_devices_indices_map(shape).items()}

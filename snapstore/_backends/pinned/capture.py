@@ -33,8 +33,8 @@ from ... import _faults, _parity
 from ..._checksum import (Checksum, ChecksumKind, as_checksum, crc_chunks, device_checksum,
                           piece_key, shard_checksums)
 from ..._index import Index, nbytes as index_nbytes, normalize
-from ..._layout import LeafKind, LeafSpec, Piece
-from ..._placement import holders_by_domain, ring_keepers
+from ..._layout import LeafKind, LeafSpec, Piece, positions
+from ..._placement import HolderLayout, holder_layout, ring_keepers, shard_arrays
 from ..hostfiles.capture import Capture as HostCapture, drain_domains, layout_offsets
 from .store import PINNED, Stored
 
@@ -168,7 +168,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     cap.host = {d: (HostCapture(list(specs), [], [], [], {}), []) for d in ring.order}
   for i, arr, plan in planned:
     if on_host:
-      for (index, d), (data, device) in plan.sources_on(ring).items():
+      for index, d, data, device in plan.host_sources():
         hc, targets = cap.host[d]
         hc.pieces.append(Piece(i, index, plan.nbytes(index)))
         hc.owners.append(d)
@@ -213,6 +213,17 @@ class _Ring:
     self.order = sorted(self.slices)
     self._where = {d: (k, i) for k, devs in self.slices.items() for i, d in enumerate(devs)}
     self.domain_of = {d: k for d, (k, _) in self._where.items()}
+    self._by_id = {d.id: d for d in self._where}
+    self._key = tuple((k, tuple(d.id for d in self.slices[k])) for k in self.order)
+
+  def __hash__(self) -> int:
+    return hash(self._key)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Ring) and self._key == other._key
+
+  def device(self, device_id: int) -> jax.Device:
+    return self._by_id[device_id]
 
   def domain(self, device: jax.Device) -> int:
     return self._where[device][0]
@@ -233,16 +244,24 @@ class _LeafPlan:
   keep: dict[tuple[Index, int], int]          # (index, domain) -> owner domain
   sources: dict[Index, jax.Array]             # index -> the owner's shard
 
+  # CPU: (index, domain) -> (position of the shard its copy is made from,
+  # the device whose host keeps it), for :meth:`host_sources`
+  from_shard: tuple[tuple[tuple[Index, int], int, jax.Device], ...] = ()
+  shards: Sequence[jax.Array] = ()
+
   @classmethod
   def of(cls, spec: LeafSpec, arr: jax.Array, ring: _Ring, replicas: int) -> _LeafPlan:
-    holders = holders_by_domain(spec.path, arr, ring.domain_of)
-    keep: dict[tuple[Index, int], int] = {}
-    sources = {}
-    for index, by_domain in holders.items():
-      owner = min(by_domain)
-      sources[index] = by_domain[owner]
-      keep.update({(index, d): owner for d in ring_keepers(by_domain, ring.order, replicas)})
-    return cls(arr.dtype.itemsize, holders, keep, sources)
+    layout = holder_layout(spec.path, arr, ring.domain_of)
+    shards = shard_arrays(arr)
+    keep, owners, from_shard = _structure(layout, tuple(positions(arr)), ring, replicas)
+    holders = {index: {d: shards[at] for d, at in held} for index, held in layout}
+    return cls(arr.dtype.itemsize, holders, keep,
+               {index: shards[at] for index, at in owners}, from_shard, shards)
+
+  def host_sources(self) -> list[tuple[Index, int, jax.Array, jax.Device]]:
+    """(index, domain, shard, device) of every copy: :meth:`sources_on`, from
+    the layout's cached positions (a state has thousands of pieces)."""
+    return [(index, t, self.shards[at], device) for (index, t), at, device in self.from_shard]
 
   def nbytes(self, index: Index) -> int:
     return index_nbytes(index, self.itemsize)
@@ -313,6 +332,35 @@ class _LeafPlan:
       key = (normalize(shard.index, shape), ring.domain(shard.device))
       if key in want and key not in out:
         out[key] = shard.data
+
+
+@functools.lru_cache(maxsize=4096)
+def _structure(layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring, replicas: int
+               ) -> tuple[dict[tuple[Index, int], int], tuple[tuple[Index, int], ...],
+                          tuple[tuple[tuple[Index, int], int, jax.Device], ...]]:
+  """What a leaf's copies are, from its layout alone (the same every save):
+  (index, domain) -> owner for each copy kept (:func:`ring_keepers`); each
+  index's owner shard position; and where each copy comes from, as
+  :meth:`_LeafPlan.source` says, by shard position."""
+  keep: dict[tuple[Index, int], int] = {}
+  owners, from_shard = [], []
+  n = len(ring.order)
+  for index, held in layout:
+    at_of = dict(held)
+    owner = min(at_of)
+    owners.append((index, at_of[owner]))
+    for t in ring_keepers(at_of, ring.order, replicas):
+      keep[(index, t)] = owner
+      if t in at_of:
+        at = at_of[t]
+        from_shard.append(((index, t), at, ring.device(device_ids[at])))
+        continue
+      pos = ring.order.index(t)
+      k = next(k for k in range(1, n) if ring.order[(pos - k) % n] in at_of)
+      at = at_of[ring.order[(pos - k) % n]]
+      there = ring.shifted(ring.device(device_ids[at]), k) or ring.slices[t][0]
+      from_shard.append(((index, t), at, there))
+  return keep, tuple(owners), tuple(from_shard)
 
 
 @functools.lru_cache(maxsize=4096)
