@@ -79,6 +79,14 @@ class Piece:
     return _index.shape_of(self.index)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def piece_of(leaf: int, index: Index, nbytes: int) -> Piece:
+  """``Piece(leaf, index, nbytes)``, one object per piece for the whole run:
+  the same pieces every snapshot, and thousands of new ones a save would
+  outlive young collections and bring the full ones closer."""
+  return Piece(leaf, index, nbytes)
+
+
 def path_str(path: Sequence[Any]) -> str:
   return jax.tree_util.keystr(tuple(path), simple=True, separator="/") or "<root>"
 

@@ -29,7 +29,7 @@ import numpy as np
 from ... import _faults, _group, _parity
 from ..._checksum import chunk_seeds, copy_crc, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
-from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches
+from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, piece_of
 from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
                            ring_permutable, ring_permute)
 
@@ -387,12 +387,17 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     for index, by_domain in holders_by_domain(spec.path, arr, domain_of).items():
       nbytes = index_nbytes(index, arr.dtype.itemsize)
       owner = min(by_domain)
+      view = None
       for d in ring_keepers(by_domain, order, replicas):
         data = by_domain.get(d, by_domain[owner])
-        caps[d].pieces.append(Piece(i, index, nbytes))
+        caps[d].pieces.append(piece_of(i, index, nbytes))
         caps[d].owners.append(owner)
         if on_cpu:
-          view = np.asarray(data)  # pins the buffer (see the module docstring)
+          # One view per index, which pins its buffer (see the module doc):
+          # drain_domains reads a piece's first copy and writes the others
+          # (data-parallel twins, the same bytes) from the cache.
+          if view is None:
+            view = np.asarray(data)
           caps[d].sources.append(view)
         else:
           caps[d].sources.append(data)

@@ -12,8 +12,9 @@ state (the controller survives on Pathways) and are kept as controller copies.
 
 On CPU devices (whose ``pinned_host`` memory is this process's RAM) the copy
 is made on the host instead: ``capture`` pins views of the shards, and the
-drain copies each piece once with its crc32c into the slot's reused memory,
-which ``pinned_host`` arrays then adopt (:meth:`PinnedCapture.copy_on_host`).
+drain copies each piece once with its crc32c into the slot's reused memory
+(:meth:`PinnedCapture.copy_on_host`), of which the store hands out
+``pinned_host`` arrays on demand (:class:`.store.PinnedHostStore`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ... import _faults, _parity
 from ..._checksum import (Checksum, ChecksumKind, as_checksum, crc_chunks, device_checksum,
                           piece_key, shard_checksums)
 from ..._index import Index, nbytes as index_nbytes, normalize
-from ..._layout import LeafKind, LeafSpec, Piece, positions
+from ..._layout import LeafKind, LeafSpec, Piece, piece_of, positions
 from ..._placement import HolderLayout, holder_layout, ring_keepers, shard_arrays
 from ..hostfiles.capture import Capture as HostCapture, drain_domains, layout_offsets
 from .store import PINNED, Stored
@@ -52,11 +53,18 @@ class PinnedCapture:
   # (stripe, block) of each parity piece -> (members, layout, length)
   parity: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Any, ...], int]] = \
       dataclasses.field(default_factory=dict)
-  # CPU: pieces the drain copies on the host (views of their device
-  # buffers, pinned against donation) -> (position, device that keeps it)
-  host: dict[int, tuple[HostCapture, list[tuple[int, jax.Device]]]] = \
+  # CPU: domain -> (pieces the drain copies on the host (views of their
+  # device buffers, pinned against donation), their positions, the devices
+  # that keep them)
+  host: dict[int, tuple[HostCapture, list[int], list[jax.Device]]] = \
       dataclasses.field(default_factory=dict)
   host_sums: dict[int, dict[int, Checksum]] = dataclasses.field(default_factory=dict)
+  # CPU: domain -> position -> device of each host part (the store's handles)
+  host_devices: dict[int, dict[int, jax.Device]] = dataclasses.field(default_factory=dict)
+  checksum: ChecksumKind = ChecksumKind.DEVICE_SUM  # of every piece not in ``kinds``
+
+  def kind(self, leaf: int, index: Index) -> ChecksumKind:
+    return self.kinds.get((leaf, index), self.checksum)
 
   def nbytes(self, domain: int) -> int:
     return sum(p.nbytes for p, _ in self.pieces[domain])
@@ -64,25 +72,27 @@ class PinnedCapture:
   def copy_on_host(self, take: Callable[[int, int], np.ndarray], pool: futures.Executor,
                    chunk_bytes: int) -> None:
     """CPU: copies every domain's host pieces into ``take(domain, bytes)``
-    with their crc32c in one pass (the host-files drain), then makes each
-    part a ``pinned_host`` array on its device that adopts it (no second
-    copy). A piece an earlier domain keeps too (a data-parallel twin) is
+    with their crc32c in one pass (the host-files drain); each piece is
+    then its part of that memory, with the device it belongs to (the store
+    makes a ``pinned_host`` array of it on demand, without a copy). A piece
+    an earlier domain keeps too (a data-parallel twin) is
     written from the cache as that domain's copy passes: the same checked
     bytes, one read of memory and one crc32c for both."""
     jobs = {d: self.host.pop(d) for d in sorted(self.host)}
-    offsets = {d: layout_offsets(cap.pieces) for d, (cap, _) in jobs.items()}
-    bufs = {d: take(d, cap.nbytes) for d, (cap, _) in jobs.items()}
-    kinds = {d: [(np.asarray(src).dtype, np.shape(src)) for src in cap.sources]
-             for d, (cap, _) in jobs.items()}
-    crcs = drain_domains({d: cap for d, (cap, _) in jobs.items()}, bufs, offsets,
+    offsets = {d: layout_offsets(cap.pieces) for d, (cap, _, _) in jobs.items()}
+    bufs = {d: take(d, cap.nbytes) for d, (cap, _, _) in jobs.items()}
+    kinds = {d: [(src.dtype, src.shape) for src in cap.sources]
+             for d, (cap, _, _) in jobs.items()}
+    crcs = drain_domains({d: cap for d, (cap, _, _) in jobs.items()}, bufs, offsets,
                          pool=pool, chunk_bytes=chunk_bytes)
-    for d, (cap, targets) in jobs.items():
+    for d, (cap, places, devices) in jobs.items():
       parts = [bufs[d][at:at + p.nbytes].view(dtype).reshape(shape)
                for p, at, (dtype, shape) in zip(cap.pieces, offsets[d], kinds[d])]
-      arrays = _adopted(parts, [device for _, device in targets])
       sums = self.host_sums.setdefault(d, {})
-      for (pos, _), arr, crc in zip(targets, arrays, crcs[d]):
-        self.arrays[d][pos] = arr
+      where = self.host_devices.setdefault(d, {})
+      for pos, device, part, crc in zip(places, devices, parts, crcs[d]):
+        self.arrays[d][pos] = part
+        where[pos] = device
         sums[pos] = crc
 
   def wait(self) -> None:
@@ -118,7 +128,9 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   may raise (over budget) or evict older snapshots.
   """
   ring = _Ring(slices)
-  cap = PinnedCapture({k: [] for k in ring.order}, {k: [] for k in ring.order}, {}, {}, {})
+  cap = PinnedCapture({k: [] for k in ring.order}, {k: [] for k in ring.order}, {}, {}, {},
+                      checksum=checksum)
+  starts: dict[int, dict[int, int]] = {}  # leaf -> domain -> its first position there
   planned: list[tuple[int, jax.Array, _LeafPlan]] = []
   protect: list[tuple[int, jax.Array]] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
@@ -141,8 +153,9 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       if stripes is not None and plan.unique() and _parity.evenly_sharded(stripes, arr):
         plan = _LeafPlan.of(spec, arr, ring, 0)
         protect.append((i, arr))
+      starts[i] = {d: len(cap.pieces[d]) for d in ring.order}
       for (index, d), owner in plan.keep.items():
-        cap.pieces[d].append((Piece(i, index, plan.nbytes(index)), owner))
+        cap.pieces[d].append(_kept(i, index, plan.nbytes(index), owner))
         cap.arrays[d].append(None)  # filled at dispatch
       planned.append((i, arr, plan))
   length = 0
@@ -157,24 +170,35 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       cap.parity[key] = (tuple(ring.domain(x) for x in stripes.grid[s]),
                          tuple(layouts[s * stripes.n + m] for m in range(stripes.n)), length)
   before_dispatch({d: cap.nbytes(d) for d in ring.order})
-  slot = {(p.leaf, p.index, d): n for d, ps in cap.pieces.items() for n, (p, _) in enumerate(ps)}
   # On CPU a pinned copy is host memory like any other: the drain copies
   # each piece once, checksumming it as it goes, into memory reused from the
   # slot's last snapshot (a put to pinned_host here cost the caller 1 ms a
   # leaf, and the drain a second pass for the crc32c and fresh pages).
   on_host = checksum is ChecksumKind.CRC32C and all(
       d.platform == "cpu" for devs in ring.slices.values() for d in devs)
+  slot = ({} if on_host and not protect else
+          {(p.leaf, p.index, d): n for d, ps in cap.pieces.items()
+           for n, (p, _) in enumerate(ps)})
   if on_host:
-    cap.host = {d: (HostCapture(list(specs), [], [], [], {}), []) for d in ring.order}
+    cap.host = {d: (HostCapture(list(specs), [], [], [], {}), [], []) for d in ring.order}
   for i, arr, plan in planned:
     if on_host:
+      # in keep order, as the first loop placed them (see _structure)
+      next_at = dict(starts[i])
+      views: dict[Index, np.ndarray] = {}
       for index, d, data, device in plan.host_sources():
-        hc, targets = cap.host[d]
-        hc.pieces.append(Piece(i, index, plan.nbytes(index)))
+        hc, places, devices = cap.host[d]
+        hc.pieces.append(piece_of(i, index, plan.nbytes(index)))
         hc.owners.append(d)
-        hc.sources.append(np.asarray(data))  # pins the buffer (no donation)
-        targets.append((slot[(i, index, d)], device))
-        cap.kinds[(i, index)] = checksum
+        # one view per index: the drain reads a piece's first copy only and
+        # writes its twins from the cache (the same bytes)
+        view = views.get(index)
+        if view is None:
+          view = views[index] = np.asarray(data)  # pins the buffer (no donation)
+        hc.sources.append(view)
+        places.append(next_at[d])
+        devices.append(device)
+        next_at[d] += 1
       continue
     on_device = checksum is ChecksumKind.DEVICE_SUM
     sums = shard_checksums(arr) if on_device else None
@@ -186,7 +210,6 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       first[index] = min(d, first.get(index, d))
     for index, src in plan.sources.items():
       d = first[index]
-      cap.kinds[(i, index)] = checksum
       cap.sums[(i, index)] = (_pending_sum(src, per_shard) if on_device
                               else _host_sum(cap, d, slot[(i, index, d)], chunk_bytes,
                                              piece_key(specs[i].path, index)))
@@ -198,7 +221,6 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       d, index = ring.domain(shard.device), ((stripes.stripe_id(s), j),)
       at = slot[(_parity.PARITY_LEAF, index, d)]
       cap.arrays[d][at] = jax.device_put(shard.data, _pinned_on(shard.device))
-      cap.kinds[(_parity.PARITY_LEAF, index)] = checksum
       cap.sums[(_parity.PARITY_LEAF, index)] = (
           _pending_sum(shard.data, None) if checksum is ChecksumKind.DEVICE_SUM
           else _host_sum(cap, d, at, chunk_bytes, piece_key(_parity.PARITY_PATH, index)))
@@ -334,6 +356,12 @@ class _LeafPlan:
         out[key] = shard.data
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _kept(leaf: int, index: Index, nbytes: int, owner: int) -> tuple[Piece, int]:
+  """(piece, owner domain), one object for the run (see :func:`.._layout.piece_of`)."""
+  return piece_of(leaf, index, nbytes), owner
+
+
 @functools.lru_cache(maxsize=4096)
 def _structure(layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring, replicas: int
                ) -> tuple[dict[tuple[Index, int], int], tuple[tuple[Index, int], ...],
@@ -366,21 +394,6 @@ def _structure(layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring, r
 @functools.lru_cache(maxsize=4096)
 def _pinned_on(device: jax.Device) -> SingleDeviceSharding:
   return SingleDeviceSharding(device, memory_kind=PINNED)
-
-
-def _adopted(parts: Sequence[np.ndarray], devices: Sequence[jax.Device]) -> list[jax.Array]:
-  """``pinned_host`` arrays on ``devices`` that adopt the host buffers
-  ``parts`` (CPU: no copy). JAX's own batched put, one piece at a time,
-  where this JAX has it (the same in 0.10 and 0.12): ``jax.device_put`` of
-  a list costs ~25 us a piece in Python (measured: 4,000 pieces, 107 ms
-  against 22 ms)."""
-  try:
-    from jax._src import core  # noqa: PLC0415
-    from jax._src.interpreters.pxla import batched_device_put as put  # noqa: PLC0415
-  except ImportError:
-    return jax.device_put(list(parts), [_pinned_on(d) for d in devices], may_alias=True)
-  return [put(core.ShapedArray(p.shape, p.dtype), _pinned_on(d), [p], [d])
-          for p, d in zip(parts, devices)]
 
 
 def _ring_sharding(sharding: jax.sharding.Sharding, ring: _Ring, k: int
