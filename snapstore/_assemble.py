@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arena import ArenaCache, host_arena
-from ._checksum import aligned_empty
+from ._checksum import SMALL_BYTES, aligned_empty
 from ._index import Index, align, full, normalize, overlaps, shape_of, to_slices, volume
 from ._layout import LeafKind, LeafSpec, target_sharding, wants_numpy
 from ._planner import Copy, CopyKey, StepPlan
@@ -146,7 +146,13 @@ class Assembler:
       at += align(n)
       size += n
     fetch = lambda task: [self._first_good(k, None, out) for k, out in task]  # noqa: E731
-    for task, got in zip(tasks, pool.map(fetch, tasks)):
+    # Tasks of small pieces run here, while the pool copies the big ones
+    # (see ``_checksum.SMALL_BYTES``).
+    small = [t for t in tasks if sum(out.nbytes for _, out in t) < SMALL_BYTES * len(t)]
+    big = [t for t in tasks if sum(out.nbytes for _, out in t) >= SMALL_BYTES * len(t)]
+    pending = pool.map(fetch, big)
+    done = [(task, fetch(task)) for task in small]
+    for task, got in [*done, *zip(big, pending)]:
       for (key, _), one in zip(task, got):
         self._keep(key, *one)
 

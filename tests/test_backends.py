@@ -194,6 +194,32 @@ def test_flipped_byte_uses_the_other_copy_or_an_older_step(kind, store_dir):
   assert any("step 2" in n and "tp" in n for n in r.notes), r.notes
 
 
+@pytest.mark.parametrize("leaf", ["big", "tp"])
+def test_big_and_small_pieces_are_both_checked(kind, store_dir, leaf):
+  """Pieces of 512 KiB in 2 chunks (copied on the pool) beside small ones
+  (copied on the calling thread, see ``_checksum.SMALL_BYTES``), at save
+  and at restore: a flipped byte in either kind is caught."""
+  def state(step):
+    out = awkward_state(jax.devices(), step)
+    mesh = out["tp"].sharding.mesh
+    out["big"] = jax.device_put(jnp.arange(64 * 8192, dtype=jnp.float32).reshape(64, 8192)
+                                * step, NamedSharding(mesh, P(None, "model")))
+    return out
+  with kind.manager(store_dir, chunk_bytes=256 << 10) as mgr:
+    refs = {}
+    for s in (1, 2):
+      refs[s] = host_copy(state(s))
+      mgr.save(s, state(s))
+    mgr.wait_until_finished()
+    assert_bitwise_equal(refs[2], mgr.restore(abstract(state(0))).state)
+    kind.flip_byte(mgr, 0, 2, leaf)
+    r = mgr.restore(abstract(state(0)))
+  want = 2 if kind.slices else 1
+  assert r.step == want
+  assert_bitwise_equal(refs[want], r.state)
+  assert any("step 2" in n and leaf in n for n in r.notes), r.notes
+
+
 def test_both_copies_bad_falls_back_to_an_older_step(sliced, store_dir):
   with sliced.manager(store_dir) as mgr:
     refs = save_steps(mgr, [1, 2])

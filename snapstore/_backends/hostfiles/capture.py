@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from ... import _faults, _group, _parity
-from ..._checksum import chunk_seeds, copy_crc, piece_key
+from ..._checksum import SMALL_BYTES, chunk_seeds, copy_crc, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, piece_of
 from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
@@ -317,7 +317,14 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
       size = 0
     batches[-1].append(c)
     size += (c[3] - c[2]) * (1 + len(c[5]))  # twins are written too
-  flat = [crc for f in [pool.submit(copy_chunks, b) for b in batches if b] for crc in f.result()]
+  # A batch of many small pieces runs on this thread while the pool copies
+  # the big ones: its Python, not its bytes, is the cost (two threads
+  # contending for the GIL gain nothing there).
+  batches = [b for b in batches if b]
+  running = [None if sum((c[3] - c[2]) * (1 + len(c[5])) for c in b) < SMALL_BYTES * len(b)
+             else pool.submit(copy_chunks, b) for b in batches]
+  here = {i: copy_chunks(b) for i, b in enumerate(batches) if running[i] is None}
+  flat = [crc for i, f in enumerate(running) for crc in (here[i] if f is None else f.result())]
   crcs, at = [], 0
   for n in per_piece:
     crcs.append(tuple(flat[at:at + n]))
