@@ -69,6 +69,32 @@ def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> float:
   return nbytes / median_seconds(lambda: np.copyto(dst, src), repeats)
 
 
+def checked_copy_seconds(sources: Sequence[np.ndarray], copies: int, repeats: int = 5,
+                         threads: int = 2) -> float:
+  """Median seconds to write ``copies`` checked copies of ``sources`` (flat
+  uint8 arrays) with snapstore's own fused copy and crc32c
+  (``_checksum.copy_crc``: each further copy written from the cache) on
+  ``threads`` threads, into touched, reused buffers, and nothing else: the
+  least a store that checks every byte and keeps that many copies pays here."""
+  from concurrent import futures  # noqa: PLC0415
+
+  from snapstore._checksum import copy_crc  # noqa: PLC0415
+  dsts = [[np.zeros_like(s) for s in sources] for _ in range(copies)]
+  jobs = [(s, [d[j] for d in dsts]) for j, s in enumerate(sources)]
+  if len(jobs) < threads:  # few big sources: each split between the threads
+    jobs = [(s[a:a + step], [d[a:a + step] for d in ds]) for s, ds in jobs
+            for step in [-(-len(s) // threads)] for a in range(0, len(s), step)]
+  share = [jobs[i::threads] for i in range(threads)]
+
+  def work(mine: list[tuple[np.ndarray, list[np.ndarray]]]) -> None:
+    for src, (first, *more) in mine:
+      copy_crc(first, src, 0, more)
+  with futures.ThreadPoolExecutor(threads) as pool:
+    run = lambda: list(pool.map(work, share))  # noqa: E731
+    run()
+    return median_seconds(run, repeats)
+
+
 def ram_dir(prefix: str) -> Path:
   base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
   return Path(tempfile.mkdtemp(prefix=prefix, dir=base))

@@ -19,6 +19,13 @@ system, ``--repeats`` rounds, interleaved:
 
 Reported per system: median ``save_return_s``, ``save_complete_s``,
 ``restore_s``; and snapstore's ratios to each (>1: snapstore is faster).
+
+``floor``: what the machine allows a store that checks every byte, measured
+in the same run: ``save_complete_s``, two checked copies of the state's
+bytes (one per slice, as snapstore keeps them: Orbax's Snapshotter keeps
+one, split between the slices), ``restore_s``, one checked copy (snapstore's
+fused copy and crc32c on two threads into reused memory, nothing else); and
+each snapstore system's times over it (``over_floor``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks._common import cleanup, ram_dir, sized_main
+from benchmarks._common import checked_copy_seconds, cleanup, ram_dir, sized_main
 
 
 class _System:
@@ -167,13 +174,20 @@ def run(mb: int, repeats: int, only: Sequence[str] | None = None,
       sys_.close()
   finally:
     cleanup(work)
+  sources = [np.asarray(x).reshape(-1).view(np.uint8) for x in state.values()]
+  floor = {"save_complete_s": checked_copy_seconds(sources, copies=2, repeats=repeats),
+           "restore_s": checked_copy_seconds(sources, copies=1, repeats=repeats)}
+  del sources
   med = {name: {k: statistics.median(v) for k, v in row.items()} for name, row in times.items()}
+  over_floor = {name: {k: med[name][k] / floor[k] for k in floor}
+                for name in med if name.startswith("snapstore")}
   snap = med["snapstore"]
   ratios: dict[str, float] = {}
   for other in [n for n in med if n != "snapstore"]:
     for k in ("save_return_s", "save_complete_s", "restore_s"):
       ratios[f"{other}_over_snapstore_{k[:-2]}"] = med[other][k] / snap[k]
-  return {"state_mb": nbytes / 2**20, "leaves": n, "systems": med, "ratios": ratios}
+  return {"state_mb": nbytes / 2**20, "leaves": n, "systems": med, "ratios": ratios,
+          "floor": floor, "over_floor": over_floor}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

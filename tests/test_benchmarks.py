@@ -70,6 +70,9 @@ def test_vs_orbax_snapshotter_benchmark_smoke(tmp_path):
   assert set(result["systems"]) == {"snapstore", "snapstore_host_files", "orbax_snapshotter"}
   assert len(result["ratios"]) == 6
   _positive(*result["ratios"].values())
+  assert set(result["over_floor"]) == {"snapstore", "snapstore_host_files"}
+  _positive(*result["floor"].values(),
+            *[v for row in result["over_floor"].values() for v in row.values()])
 
 
 def test_multihost_benchmark_smoke(tmp_path):
