@@ -5,9 +5,8 @@ drain them into a host-store slot with checksums.
 safe from the next step:
 
 * on CPU, a shard's ``np.asarray`` is a zero-copy view of the live buffer. While
-  a view (or a DLPack export: :func:`pin`) is alive, XLA will not donate that
-  buffer (it copies instead), so the view is a stable source for the
-  background copy: one memcpy in all.
+  a view is alive, XLA will not donate that buffer (it copies instead), so the
+  view is a stable source for the background copy: one memcpy in all.
 * on accelerators, each leaf is dispatched to ``pinned_host`` memory with an
   async ``device_put``; the drain reads the host copy.
 
@@ -19,9 +18,8 @@ sources so the next step may donate again.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -44,81 +42,10 @@ class Packed:
   start: int
 
 
-# A piece's bytes: a hold on a CPU buffer (:func:`pin`), a jax.Array read by
-# ``np.asarray`` in the drain (a host copy landing), or its place in a
+# A piece's bytes: a host view (pinned against donation), a jax.Array read
+# by ``np.asarray`` in the drain (a host copy landing), or its place in a
 # received row.
-Source = Any
-
-
-class _Exported:
-  """A DLPack capsule, as ``np.from_dlpack`` takes it."""
-
-  __slots__ = ("capsule",)
-
-  def __init__(self, capsule: Any):
-    self.capsule = capsule
-
-  def __dlpack__(self, **_: Any) -> Any:
-    return self.capsule
-
-  def __dlpack_device__(self) -> tuple[int, int]:
-    return (1, 0)  # kDLCPU
-
-
-def _exporter() -> Any:
-  try:
-    from jax._src.lib import _jax  # noqa: PLC0415
-    return _jax.buffer_to_dlpack_managed_tensor
-  except (ImportError, AttributeError):
-    return None
-
-
-_EXPORT = _exporter()
-_CAPSULE = type(datetime.datetime_CAPI)  # PyCapsule (types.CapsuleType from 3.13)
-
-
-def pin(data: jax.Array) -> Any:
-  """A zero-copy hold on a single-device CPU array's buffer: while it lives,
-  XLA copies instead of donating the buffer (see the module doc). Blocks
-  until the array is computed. A DLPack capsule from jaxlib where it has the
-  export (1.1-1.4 against 2 us a piece for ``np.asarray``, and nothing for
-  the garbage collector: a numpy view brings a memoryview and a managed
-  buffer, thousands a save, which outlive young collections while the drain
-  runs and bring the full ones closer); else that numpy view.
-  :func:`host_array` reads it."""
-  if _EXPORT is None or not _numpy_reads(np.dtype(data.dtype)):
-    return np.asarray(data)
-  return _EXPORT(data, stream=None)
-
-
-@functools.lru_cache(maxsize=64)
-def _numpy_reads(dtype: np.dtype) -> bool:
-  """Whether ``np.from_dlpack`` takes arrays of ``dtype`` (not bfloat16 or
-  the other ml_dtypes, which DLPack cannot name for numpy)."""
-  try:
-    np.from_dlpack(np.zeros(1, dtype))
-  except (BufferError, TypeError, ValueError):
-    return False
-  return True
-
-
-def hold(caps: Iterable[Capture]) -> None:
-  """Each :func:`pin` among the sources of ``caps`` as the array that now
-  holds its buffer, once (pieces kept by several domains share a pin)."""
-  held: dict[int, Any] = {}
-  for cap in caps:
-    for src in cap.sources:
-      if id(src) not in held:
-        held[id(src)] = host_array(src)
-    cap.sources = [held[id(src)] for src in cap.sources]
-
-
-def host_array(source: Any) -> Any:
-  """A :func:`pin` (or any other source) as a numpy array where it is one:
-  the capsule is consumed, and the array now holds the buffer."""
-  if type(source) is _CAPSULE:
-    return np.from_dlpack(_Exported(source))
-  return source
+Source = np.ndarray | jax.Array | Packed
 
 
 @dataclasses.dataclass
@@ -174,10 +101,9 @@ def _received_plan(src: jax.sharding.NamedSharding, dst: jax.sharding.NamedShard
   return tuple(sorted(plan))
 
 
-def _bytes_of(x: Any) -> np.ndarray:
+def _bytes_of(x: np.ndarray | jax.Array) -> np.ndarray:
   """The bytes of a source: a host view as it is (the usual case: one
   ``reshape`` and one ``view``), else its host copy, made contiguous."""
-  x = host_array(x)
   if type(x) is not np.ndarray or not x.flags.c_contiguous:
     x = np.ascontiguousarray(np.asarray(x))
   return x.reshape(-1).view(np.uint8)
@@ -326,7 +252,11 @@ def _add_replica(cap: Capture, t: Transfer, piece: Piece, data: jax.Array) -> No
 def _add(cap: Capture, piece: Piece, data: jax.Array, owner: int, pin_view: bool) -> None:
   cap.pieces.append(piece)
   cap.owners.append(owner)
-  cap.sources.append(pin(data) if pin_view else data)
+  if pin_view:
+    view = np.asarray(data)  # blocks until the step computed it.
+    cap.sources.append(view)
+  else:
+    cap.sources.append(data)
 
 
 def layout_offsets(pieces: Sequence[Piece]) -> list[int]:
@@ -414,7 +344,6 @@ def drain_domains(caps: Mapping[int, Capture], bufs: Mapping[int, np.ndarray],
   if len(caps) == 1:  # one store (multi-controller): nothing to share
     (d, cap), = caps.items()
     return {d: drain(cap, bufs[d], offsets[d], pool=pool, chunk_bytes=chunk_bytes)}
-  hold(caps.values())
   first: dict[tuple[int, Index], tuple[int, int]] = {}  # piece -> (domain, j)
   twins: dict[tuple[int, int], list[tuple[np.ndarray, int]]] = {}
   twin_of: dict[tuple[int, int], tuple[int, int]] = {}
@@ -475,7 +404,7 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
           # drain_domains reads a piece's first copy and writes the others
           # (data-parallel twins, the same bytes) from the cache.
           if view is None:
-            view = pin(data)
+            view = np.asarray(data)
           caps[d].sources.append(view)
         else:
           caps[d].sources.append(data)

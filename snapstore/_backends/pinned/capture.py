@@ -36,8 +36,7 @@ from ..._checksum import (Checksum, ChecksumKind, as_checksum, crc_chunks, devic
 from ..._index import Index, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, piece_of, positions
 from ..._placement import HolderLayout, holder_layout, ring_keepers, shard_arrays
-from ..hostfiles.capture import (Capture as HostCapture, drain_domains, hold,
-                                 layout_offsets, pin)
+from ..hostfiles.capture import Capture as HostCapture, drain_domains, layout_offsets
 from .store import PINNED, Stored
 
 
@@ -80,7 +79,6 @@ class PinnedCapture:
     written from the cache as that domain's copy passes: the same checked
     bytes, one read of memory and one crc32c for both."""
     jobs = {d: self.host.pop(d) for d in sorted(self.host)}
-    hold(cap for cap, _, _ in jobs.values())  # the pins, as arrays (for their dtypes)
     offsets = {d: layout_offsets(cap.pieces) for d, (cap, _, _) in jobs.items()}
     bufs = {d: take(d, cap.nbytes) for d, (cap, _, _) in jobs.items()}
     kinds = {d: [(src.dtype, src.shape) for src in cap.sources]
@@ -196,7 +194,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
         # writes its twins from the cache (the same bytes)
         view = views.get(index)
         if view is None:
-          view = views[index] = pin(data)  # holds the buffer (no donation)
+          view = views[index] = np.asarray(data)  # pins the buffer (no donation)
         hc.sources.append(view)
         places.append(next_at[d])
         devices.append(device)
