@@ -182,6 +182,25 @@ def test_busy_policy_waits_or_skips_and_counts(kind, store_dir, policy):
     assert mgr.snapshot_steps() == ([1] if policy is BusyPolicy.SKIP else [1, 2])
 
 
+def test_deleting_the_state_while_it_drains_keeps_the_snapshot(kind, store_dir):
+  """A caller may free the old state (``x.delete()``) as soon as ``save``
+  returns: the snapshot keeps its bytes (a DLPack hold on a shard made
+  XLA abort the process instead)."""
+  with kind.manager(store_dir) as mgr:
+    gate = threading.Event()
+    real_drain = mgr.backend.drain
+    mgr.backend.drain = lambda pending: (gate.wait(60), real_drain(pending))[1]
+    state = awkward_state(jax.devices(), 1)
+    ref = host_copy(state)
+    mgr.save(1, state)
+    for x in jax.tree.leaves(state):
+      if isinstance(x, jax.Array):
+        x.delete()
+    gate.set()
+    mgr.wait_until_finished()
+    assert_bitwise_equal(ref, mgr.restore(abstract(awkward_state(jax.devices(), 0))).state)
+
+
 def test_flipped_byte_uses_the_other_copy_or_an_older_step(kind, store_dir):
   with kind.manager(store_dir) as mgr:
     refs = save_steps(mgr, [1, 2])
