@@ -266,24 +266,21 @@ class _LeafPlan:
   keep: dict[tuple[Index, int], int]          # (index, domain) -> owner domain
   sources: dict[Index, jax.Array]             # index -> the owner's shard
 
-  # CPU: (index, domain) -> (position of the shard its copy is made from,
-  # the device whose host keeps it), for :meth:`host_sources`
-  from_shard: tuple[tuple[tuple[Index, int], int, jax.Device], ...] = ()
-  shards: Sequence[jax.Array] = ()
+  # (index, domain) -> (position of the shard its copy is made from, the
+  # device whose host keeps it, how many places back on the ring the domain
+  # it is read from is: 0 for its own shard); from :func:`_structure`
+  copies: Mapping[tuple[Index, int], tuple[int, jax.Device, int]] = \
+      dataclasses.field(default_factory=dict)
+  shards: Sequence[jax.Array] = ()  # by position
 
   @classmethod
   def of(cls, spec: LeafSpec, arr: jax.Array, ring: _Ring, replicas: int) -> _LeafPlan:
     layout = holder_layout(spec.path, arr, ring.domain_of)
     shards = shard_arrays(arr)
-    keep, owners, from_shard = _structure(layout, tuple(positions(arr)), ring, replicas)
+    keep, owners, copies = _structure(layout, tuple(positions(arr)), ring, replicas)
     holders = {index: {d: shards[at] for d, at in held} for index, held in layout}
     return cls(arr.dtype.itemsize, holders, keep,
-               {index: shards[at] for index, at in owners}, from_shard, shards)
-
-  def host_sources(self) -> list[tuple[Index, int, jax.Array, jax.Device]]:
-    """(index, domain, shard, device) of every copy: :meth:`sources_on`, from
-    the layout's cached positions (a state has thousands of pieces)."""
-    return [(index, t, self.shards[at], device) for (index, t), at, device in self.from_shard]
+               {index: shards[at] for index, at in owners}, copies, shards)
 
   def nbytes(self, index: Index) -> int:
     return index_nbytes(index, self.itemsize)
@@ -292,27 +289,23 @@ class _LeafPlan:
     """True if some piece is held by one domain only (no data-parallel twin)."""
     return any(len(by_domain) < 2 for by_domain in self.holders.values())
 
-  def shift_to(self, index: Index, domain: int, ring: _Ring) -> int:
+  def shift_to(self, index: Index, domain: int) -> int:
     """How many places back on the ring the nearest domain holding
     ``index`` is, for ``domain`` that keeps a copy without holding it."""
-    n = len(ring.order)
-    at = ring.order.index(domain)
-    return next(k for k in range(1, n) if ring.order[(at - k) % n] in self.holders[index])
+    return self.copies[(index, domain)][2]
 
-  def source(self, index: Index, domain: int, ring: _Ring) -> tuple[jax.Array, jax.Device]:
+  def source(self, index: Index, domain: int) -> tuple[jax.Array, jax.Device]:
     """(the shard ``domain``'s copy of ``index`` is made from, the device
     whose host keeps it): its own shard there, else the one ``shift_to``
     places back, kept by the device at the same place in ``domain``."""
-    by_domain = self.holders[index]
-    if domain in by_domain:
-      return by_domain[domain], device_of(by_domain[domain])
-    k = self.shift_to(index, domain, ring)
-    data = by_domain[ring.order[(ring.order.index(domain) - k) % len(ring.order)]]
-    return data, ring.shifted(device_of(data), k) or ring.slices[domain][0]
+    at, device, _ = self.copies[(index, domain)]
+    return self.shards[at], device
 
-  def sources_on(self, ring: _Ring) -> dict[tuple[Index, int], tuple[jax.Array, jax.Device]]:
-    """:meth:`source` of every (index, domain) copy this leaf needs."""
-    return {(index, t): self.source(index, t, ring) for index, t in self.keep}
+  def host_sources(self) -> list[tuple[Index, int, jax.Array, jax.Device]]:
+    """(index, domain, shard, device): :meth:`source` of every copy, in
+    ``keep`` order."""
+    return [(index, t, self.shards[at], device)
+            for (index, t), (at, device, _) in self.copies.items()]
 
   def dispatch(self, arr: jax.Array, ring: _Ring) -> dict[tuple[Index, int], jax.Array]:
     """Starts the copies: whole-array ``device_put``s where the sharding
@@ -333,7 +326,7 @@ class _LeafPlan:
     by_shift: dict[int, list[tuple[Index, int]]] = {}
     for index, t in self.keep:
       if t not in self.holders[index]:
-        by_shift.setdefault(self.shift_to(index, t, ring), []).append((index, t))
+        by_shift.setdefault(self.shift_to(index, t), []).append((index, t))
     for k, wanted in sorted(by_shift.items()):
       moved = _ring_sharding(arr.sharding, ring, k)
       if moved is not None:
@@ -342,7 +335,7 @@ class _LeafPlan:
         self._collect(jax.device_put(whole, moved), ring, shape, wanted, out)
         continue
       for index, t in wanted:  # one by one, from the domain k places back
-        data, there = self.source(index, t, ring)
+        data, there = self.source(index, t)
         out[(index, t)] = jax.device_put(data, _pinned_on(there))
     return out
 
@@ -365,13 +358,16 @@ def _kept(leaf: int, index: Index, nbytes: int, owner: int) -> tuple[Piece, int]
 @functools.lru_cache(maxsize=4096)
 def _structure(layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring, replicas: int
                ) -> tuple[dict[tuple[Index, int], int], tuple[tuple[Index, int], ...],
-                          tuple[tuple[tuple[Index, int], int, jax.Device], ...]]:
-  """What a leaf's copies are, from its layout alone (the same every save):
-  (index, domain) -> owner for each copy kept (:func:`ring_keepers`); each
-  index's owner shard position; and where each copy comes from, as
-  :meth:`_LeafPlan.source` says, by shard position."""
+                          dict[tuple[Index, int], tuple[int, jax.Device, int]]]:
+  """A leaf's copies, from its layout alone (the same every save):
+  (index, domain) -> owner domain for each copy kept (:func:`ring_keepers`);
+  each index's owner shard position; and where each copy comes from
+  (:attr:`_LeafPlan.copies`): the domain's own shard, else the shard of the
+  nearest domain back on the ring that holds the index, kept by the device
+  at the same place in the domain."""
   keep: dict[tuple[Index, int], int] = {}
-  owners, from_shard = [], []
+  owners: list[tuple[Index, int]] = []
+  copies: dict[tuple[Index, int], tuple[int, jax.Device, int]] = {}
   n = len(ring.order)
   for index, held in layout:
     at_of = dict(held)
@@ -380,15 +376,14 @@ def _structure(layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring, r
     for t in ring_keepers(at_of, ring.order, replicas):
       keep[(index, t)] = owner
       if t in at_of:
-        at = at_of[t]
-        from_shard.append(((index, t), at, ring.device(device_ids[at])))
+        copies[(index, t)] = (at_of[t], ring.device(device_ids[at_of[t]]), 0)
         continue
       pos = ring.order.index(t)
       k = next(k for k in range(1, n) if ring.order[(pos - k) % n] in at_of)
       at = at_of[ring.order[(pos - k) % n]]
       there = ring.shifted(ring.device(device_ids[at]), k) or ring.slices[t][0]
-      from_shard.append(((index, t), at, there))
-  return keep, tuple(owners), tuple(from_shard)
+      copies[(index, t)] = (at, there, k)
+  return keep, tuple(owners), copies
 
 
 @functools.lru_cache(maxsize=4096)

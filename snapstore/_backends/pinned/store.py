@@ -12,8 +12,8 @@ numpy view: what the drain wrote and the restore reads), and hands out a
 ``pinned_host`` array of it on its device only when asked
 (:meth:`PinnedHostStore.array`): the same bytes, no copy. A jax.Array per
 piece held for the life of a snapshot cost the drain 10-13 ms a save to make
-at 500 leaves, and thousands of long-lived objects that bring Python's full
-collections closer.
+at 500 leaves (timed in a scratch script), and thousands of long-lived
+objects that bring Python's full collections closer.
 """
 
 from __future__ import annotations
