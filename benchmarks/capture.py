@@ -3,13 +3,18 @@
 ``python -m benchmarks.capture --mb 256 512``: for each state size, on 8 CPU
 devices (a 2x4 mesh, float32 leaves of ~16 MB sharded over all devices):
 
-* ``memcpy_gbps``: single-thread ``np.copyto`` into a touched, reused buffer;
+* ``memcpy_gbps``: single-thread ``np.copyto`` of the state's bytes into a
+  touched, reused buffer, timed right before each timed save and restore
+  (this machine's bandwidth drifts by a third within a minute: a baseline
+  taken once, before everything, made the ratios drift as much);
 * ``save_gbps``: bytes / (time from ``save`` to the snapshot committed), and
   ``save_return_s``: how long ``save`` itself blocked;
 * ``restore_gbps``: bytes / ``restore`` time (checksums verified, arrays
   placed on their devices; the median of ``--repeats``), and
   ``restore_first_s``: the first restore in the process (its memory fresh:
   what a recovery pays);
+* ``save_vs_memcpy`` / ``restore_vs_memcpy``: the median memcpy time of the
+  samples taken beside the saves (restores) over their median time;
 * per-step overhead of ``save`` at interval 1 against the same loop without
   snapshots, with a step that takes ~10x the copy (a matmul chain);
 * ``gc_full_collections`` / ``gc_full_seconds``: Python's full garbage
@@ -28,8 +33,34 @@ import argparse
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from benchmarks._common import (FullCollections, calibrated_step, cleanup, emit, make_state,
-                                median_seconds, memcpy_bandwidth, ram_dir, setup_cpu_devices)
+                                ram_dir, setup_cpu_devices)
+
+
+class _Memcpy:
+  """Single-thread memcpy of ``nbytes`` into a touched, reused buffer, one
+  sample at a time (each taken beside a timed operation)."""
+
+  def __init__(self, nbytes: int) -> None:
+    self.src = np.ones(nbytes, np.uint8)
+    self.dst = np.zeros(nbytes, np.uint8)
+    np.copyto(self.dst, self.src)
+    self.samples: list[float] = []
+
+  def sample(self) -> None:
+    t = time.perf_counter()
+    np.copyto(self.dst, self.src)
+    self.samples.append(time.perf_counter() - t)
+
+  def median_since(self, start: int) -> float:
+    got = sorted(self.samples[start:])
+    return got[len(got) // 2]
+
+
+def _median(xs: list[float]) -> float:
+  return sorted(xs)[len(xs) // 2]
 
 
 def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = None,
@@ -39,19 +70,22 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
   import snapstore  # noqa: PLC0415
   state, sharding = make_state(mb << 20, leaves)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  memcpy = memcpy_bandwidth(nbytes)
+  memcpy = _Memcpy(nbytes)
   store = ram_dir("snapstore-bench-")
   try:
     opts = snapstore.SnapshotOptions(store_dir=store, keep=1)
     with snapstore.SnapshotManager(opts) as mgr:
-      mgr.save(0, state)  # allocates and touches the slots
-      mgr.wait_until_finished()
+      for warm in (0, 1):  # allocates and touches both slots (keep=1 writes two in turn)
+        mgr.save(warm, state)
+        mgr.wait_until_finished()
       returns, totals = [], []
       with FullCollections() as gcs:
         gc_saves = max(gc_saves, repeats)
         for i in range(1, gc_saves + 1):
+          if i <= repeats:
+            memcpy.sample()
           t = time.perf_counter()
-          mgr.save(i, state)
+          mgr.save(1 + i, state)
           if i <= repeats:
             returns.append(time.perf_counter() - t)
           mgr.wait_until_finished()
@@ -62,10 +96,17 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       t = time.perf_counter()  # the first in this process: what a recovery pays
       jax.block_until_ready(mgr.restore(abstract).state)
       restore_first_s = time.perf_counter() - t
-      restore_s = median_seconds(lambda: jax.block_until_ready(mgr.restore(abstract).state),
-                                 repeats)
+      save_memcpy_s = memcpy.median_since(0)
+      restores = []
+      for _ in range(repeats):
+        memcpy.sample()
+        t = time.perf_counter()
+        jax.block_until_ready(mgr.restore(abstract).state)
+        restores.append(time.perf_counter() - t)
+      restore_s = _median(restores)
+      restore_memcpy_s = memcpy.median_since(repeats)
 
-      save_s = sorted(totals)[len(totals) // 2]
+      save_s = _median(totals)
       fn, x, iters = calibrated_step(state, sharding, save_s * step_factor)
       state, _ = fn(state, x, iters)
 
@@ -89,10 +130,10 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
     cleanup(store)
   return {
       "state_mb": nbytes / 2**20, "leaves": len(state),
-      "memcpy_gbps": memcpy / 1e9,
-      "save_gbps": nbytes / save_s / 1e9, "save_vs_memcpy": nbytes / save_s / memcpy,
-      "save_return_s": sorted(returns)[len(returns) // 2], "save_complete_s": save_s,
-      "restore_gbps": nbytes / restore_s / 1e9, "restore_vs_memcpy": nbytes / restore_s / memcpy,
+      "memcpy_gbps": nbytes / memcpy.median_since(0) / 1e9,
+      "save_gbps": nbytes / save_s / 1e9, "save_vs_memcpy": save_memcpy_s / save_s,
+      "save_return_s": _median(returns), "save_complete_s": save_s,
+      "restore_gbps": nbytes / restore_s / 1e9, "restore_vs_memcpy": restore_memcpy_s / restore_s,
       "restore_s": restore_s, "restore_first_s": restore_first_s,
       "step_s_plain": step_plain, "step_s_snapshot": step_snap,
       "copy_fraction_of_step": save_s / step_plain,

@@ -299,17 +299,17 @@ def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.A
   ``jax.random.key_data(leaf)``.
   """
   plan = _piece_plan(leaf_idx, arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize)
-  return [(piece, data_on(arr, dev)) for dev, piece in plan]
-
-
-def data_on(arr: jax.Array, device_id: int) -> jax.Array:
-  """``arr``'s shard on device ``device_id``, by its position (checked: a
-  replicated array hands out one device's copy for every position, the same
-  bytes)."""
-  data = arr.addressable_data(positions(arr)[device_id])
-  if next(iter(data.devices())).id == device_id or arr.is_fully_replicated:
-    return data
-  return next(s.data for s in arr.addressable_shards if s.device.id == device_id)
+  if arr.is_fully_replicated:  # one device's copy for every position: by device
+    data = {s.device.id: s.data for s in arr.addressable_shards}
+    return [(piece, data[dev]) for dev, piece in plan]
+  at = positions(arr)  # by position: no Shard object per device (see positions)
+  out = []
+  for dev, piece in plan:
+    data = arr.addressable_data(at[dev])
+    if next(iter(data.devices())).id != dev:  # checked, not trusted: by device then
+      data = next(s.data for s in arr.addressable_shards if s.device.id == dev)
+    out.append((piece, data))
+  return out
 
 
 def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:

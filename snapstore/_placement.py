@@ -294,16 +294,6 @@ def shard_arrays(arr: jax.Array) -> list[jax.Array]:
   return [arr.addressable_data(at) for at in range(len(positions(arr)))]
 
 
-def holders_by_domain(path: str, arr: jax.Array, domain_of: Mapping[jax.Device, int]
-                      ) -> dict[Index, dict[int, jax.Array]]:
-  """Single controller: global index -> failure domain -> that domain's data
-  of the shard (its first device's), for every addressable shard of ``arr``.
-  Raises ValueError if a shard sits on a device of no active domain."""
-  layout = holder_layout(path, arr, domain_of)
-  data = shard_arrays(arr)
-  return {index: {d: data[at] for d, at in held} for index, held in layout}
-
-
 @functools.lru_cache(maxsize=4096)
 def _holder_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
                    domain_of: tuple[tuple[jax.Device, int], ...], device_ids: tuple[int, ...]

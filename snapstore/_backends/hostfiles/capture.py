@@ -30,8 +30,8 @@ from ... import _faults, _group, _parity
 from ..._checksum import SMALL_BYTES, chunk_seeds, copy_crc, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, piece_of
-from ..._placement import (holders_by_domain, owners, replica_shardings, ring_keepers,
-                           ring_permutable, ring_permute)
+from ..._placement import (HolderLayout, holder_layout, owners, replica_shardings, ring_keepers,
+                           ring_permutable, ring_permute, shard_arrays)
 
 @dataclasses.dataclass(frozen=True)
 class Packed:
@@ -391,21 +391,41 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
         _add_numpy(cap, i, leaf, d)
       continue
     arr, on_cpu = _staged(_plain(spec, leaf))
-    for index, by_domain in holders_by_domain(spec.path, arr, domain_of).items():
-      nbytes = index_nbytes(index, arr.dtype.itemsize)
-      owner = min(by_domain)
-      view = None
-      for d in ring_keepers(by_domain, order, replicas):
-        data = by_domain.get(d, by_domain[owner])
-        caps[d].pieces.append(piece_of(i, index, nbytes))
-        caps[d].owners.append(owner)
-        if on_cpu:
-          # One view per index, which pins its buffer (see the module doc):
-          # drain_domains reads a piece's first copy and writes the others
-          # (data-parallel twins, the same bytes) from the cache.
-          if view is None:
-            view = np.asarray(data)
-          caps[d].sources.append(view)
-        else:
-          caps[d].sources.append(data)
+    views_at, rows = _domain_rows(i, holder_layout(spec.path, arr, domain_of), tuple(order),
+                                  replicas, arr.dtype.itemsize)
+    shards = shard_arrays(arr)
+    # On CPU, one view per index, which pins its buffer (see the module
+    # doc): drain_domains reads a piece's first copy and writes the others
+    # (data-parallel twins, the same bytes) from the cache.
+    views = [np.asarray(shards[at]) for at in views_at] if on_cpu else []
+    for d, pieces, owners_, which, sources in rows:
+      caps[d].pieces.extend(pieces)
+      caps[d].owners.extend(owners_)
+      caps[d].sources.extend([views[k] for k in which] if on_cpu
+                             else [shards[at] for at in sources])
   return caps
+
+
+@functools.lru_cache(maxsize=4096)
+def _domain_rows(leaf: int, layout: HolderLayout, order: tuple[int, ...], replicas: int,
+                 itemsize: int
+                 ) -> tuple[tuple[int, ...],
+                            tuple[tuple[int, tuple[Piece, ...], tuple[int, ...], tuple[int, ...],
+                                        tuple[int, ...]], ...]]:
+  """A leaf's copies per domain, from its layout alone (the same every save;
+  a state has thousands of copies): the shard position of each index's view
+  (its first keeper's source), and per keeping domain (domain, pieces,
+  owners, which view, the shard position each copy is read from: the
+  domain's own, else the owner's)."""
+  views: list[int] = []
+  per: dict[int, list[tuple[Piece, int, int, int]]] = {d: [] for d in order}
+  for index, held in layout:
+    at_of = dict(held)
+    owner = min(at_of)
+    piece = piece_of(leaf, index, index_nbytes(index, itemsize))
+    keepers = ring_keepers(at_of, order, replicas)
+    view = len(views)
+    views.append(at_of.get(keepers[0], at_of[owner]))
+    for d in keepers:
+      per[d].append((piece, owner, view, at_of.get(d, at_of[owner])))
+  return tuple(views), tuple((d, *map(tuple, zip(*rows))) for d, rows in per.items() if rows)

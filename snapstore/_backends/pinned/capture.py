@@ -130,7 +130,14 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   ring = _Ring(slices)
   cap = PinnedCapture({k: [] for k in ring.order}, {k: [] for k in ring.order}, {}, {}, {},
                       checksum=checksum)
-  starts: dict[int, dict[int, int]] = {}  # leaf -> domain -> its first position there
+  # On CPU a pinned copy is host memory like any other: the drain copies
+  # each piece once, checksumming it as it goes, into memory reused from the
+  # slot's last snapshot (a put to pinned_host here cost the caller 1 ms a
+  # leaf, and the drain a second pass for the crc32c and fresh pages).
+  on_host = checksum is ChecksumKind.CRC32C and all(
+      d.platform == "cpu" for devs in ring.slices.values() for d in devs)
+  if on_host:
+    cap.host = {d: (HostCapture(list(specs), [], [], [], {}), [], []) for d in ring.order}
   planned: list[tuple[int, jax.Array, _LeafPlan]] = []
   protect: list[tuple[int, jax.Array]] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
@@ -149,11 +156,15 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
         cap.arrays[k].append(data if k == ring.order[0] else data.copy())
     else:
       arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
-      plan = _LeafPlan.of(spec, arr, ring, replicas)
-      if stripes is not None and plan.unique() and _parity.evenly_sharded(stripes, arr):
-        plan = _LeafPlan.of(spec, arr, ring, 0)
+      kept = replicas
+      if stripes is not None and _held_once(holder_layout(spec.path, arr, ring.domain_of)) \
+          and _parity.evenly_sharded(stripes, arr):
+        kept = 0  # its own domain's copy, and the stripes' parity blocks
         protect.append((i, arr))
-      starts[i] = {d: len(cap.pieces[d]) for d in ring.order}
+      if on_host:
+        _add_host_leaf(cap, i, spec.path, arr, ring, kept)
+        continue
+      plan = _LeafPlan.of(spec, arr, ring, kept)
       for (index, d), owner in plan.keep.items():
         cap.pieces[d].append(_kept(i, index, plan.nbytes(index), owner))
         cap.arrays[d].append(None)  # filled at dispatch
@@ -170,36 +181,10 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       cap.parity[key] = (tuple(ring.domain(x) for x in stripes.grid[s]),
                          tuple(layouts[s * stripes.n + m] for m in range(stripes.n)), length)
   before_dispatch({d: cap.nbytes(d) for d in ring.order})
-  # On CPU a pinned copy is host memory like any other: the drain copies
-  # each piece once, checksumming it as it goes, into memory reused from the
-  # slot's last snapshot (a put to pinned_host here cost the caller 1 ms a
-  # leaf, and the drain a second pass for the crc32c and fresh pages).
-  on_host = checksum is ChecksumKind.CRC32C and all(
-      d.platform == "cpu" for devs in ring.slices.values() for d in devs)
   slot = ({} if on_host and not protect else
           {(p.leaf, p.index, d): n for d, ps in cap.pieces.items()
            for n, (p, _) in enumerate(ps)})
-  if on_host:
-    cap.host = {d: (HostCapture(list(specs), [], [], [], {}), [], []) for d in ring.order}
-  for i, arr, plan in planned:
-    if on_host:
-      # in keep order, as the first loop placed them (see _structure)
-      next_at = dict(starts[i])
-      views: dict[Index, np.ndarray] = {}
-      for index, d, data, device in plan.host_sources():
-        hc, places, devices = cap.host[d]
-        hc.pieces.append(piece_of(i, index, plan.nbytes(index)))
-        hc.owners.append(d)
-        # one view per index: the drain reads a piece's first copy only and
-        # writes its twins from the cache (the same bytes)
-        view = views.get(index)
-        if view is None:
-          view = views[index] = np.asarray(data)  # pins the buffer (no donation)
-        hc.sources.append(view)
-        places.append(next_at[d])
-        devices.append(device)
-        next_at[d] += 1
-      continue
+  for i, arr, plan in planned:  # off CPU
     on_device = checksum is ChecksumKind.DEVICE_SUM
     sums = shard_checksums(arr) if on_device else None
     per_shard = (_fetched_once(sums[0]), sums[1]) if sums is not None else None
@@ -225,6 +210,64 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
           _pending_sum(shard.data, None) if checksum is ChecksumKind.DEVICE_SUM
           else _host_sum(cap, d, at, chunk_bytes, piece_key(_parity.PARITY_PATH, index)))
   return cap
+
+
+def _held_once(layout: HolderLayout) -> bool:
+  """True if some piece is held by one domain only (no data-parallel twin)."""
+  return any(len(held) < 2 for _, held in layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostRows:
+  """A leaf's copies on CPU, from its layout alone (the same every save),
+  as :func:`_add_host_leaf` appends them: the shard position of each view
+  taken (one per index: a data-parallel twin's own buffer is never read),
+  and per keeping domain, in keep order, (domain, (piece, owner) of each
+  copy, its piece, which view it is read from, the device that keeps it)."""
+
+  views: tuple[int, ...]
+  domains: tuple[tuple[int, tuple[tuple[Piece, int], ...], tuple[Piece, ...],
+                       tuple[int, ...], tuple[jax.Device, ...]], ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_rows(leaf: int, layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring,
+               replicas: int, itemsize: int) -> _HostRows:
+  keep, _, copies = _structure(layout, device_ids, ring, replicas)
+  view_of: dict[Index, int] = {}  # index -> its view's number
+  views: list[int] = []           # each view's shard position
+  per: dict[int, list[tuple[tuple[Piece, int], Piece, int, jax.Device]]] = {
+      d: [] for d in ring.order}
+  for (index, d), (at, device, _) in copies.items():  # keep order (see _structure)
+    if index not in view_of:
+      view_of[index] = len(views)
+      views.append(at)
+    n = index_nbytes(index, itemsize)
+    per[d].append((_kept(leaf, index, n, keep[(index, d)]), piece_of(leaf, index, n),
+                   view_of[index], device))
+  return _HostRows(tuple(views),
+                   tuple((d, *map(tuple, zip(*rows))) for d, rows in per.items() if rows))
+
+
+def _add_host_leaf(cap: PinnedCapture, leaf: int, path: str, arr: jax.Array, ring: _Ring,
+                   replicas: int) -> None:
+  """CPU, replicas: appends the copies of one leaf, their sources pinned by
+  a view each (the drain copies them); its per-copy plan is computed once
+  (:func:`_host_rows`): a state has thousands of copies, every save."""
+  rows = _host_rows(leaf, holder_layout(path, arr, ring.domain_of), tuple(positions(arr)),
+                    ring, replicas, arr.dtype.itemsize)
+  shards = shard_arrays(arr)
+  views = [np.asarray(shards[at]) for at in rows.views]  # pin the buffers (no donation)
+  for d, kept, pieces, which, devices in rows.domains:
+    hc, places, devs = cap.host[d]
+    base = len(cap.pieces[d])
+    cap.pieces[d].extend(kept)
+    cap.arrays[d].extend([None] * len(kept))  # the drain's parts fill them
+    hc.pieces.extend(pieces)
+    hc.owners.extend([d] * len(kept))
+    hc.sources.extend([views[k] for k in which])
+    places.extend(range(base, base + len(kept)))
+    devs.extend(devices)
 
 
 class _Ring:
@@ -285,10 +328,6 @@ class _LeafPlan:
   def nbytes(self, index: Index) -> int:
     return index_nbytes(index, self.itemsize)
 
-  def unique(self) -> bool:
-    """True if some piece is held by one domain only (no data-parallel twin)."""
-    return any(len(by_domain) < 2 for by_domain in self.holders.values())
-
   def shift_to(self, index: Index, domain: int) -> int:
     """How many places back on the ring the nearest domain holding
     ``index`` is, for ``domain`` that keeps a copy without holding it."""
@@ -300,12 +339,6 @@ class _LeafPlan:
     places back, kept by the device at the same place in ``domain``."""
     at, device, _ = self.copies[(index, domain)]
     return self.shards[at], device
-
-  def host_sources(self) -> list[tuple[Index, int, jax.Array, jax.Device]]:
-    """(index, domain, shard, device): :meth:`source` of every copy, in
-    ``keep`` order."""
-    return [(index, t, self.shards[at], device)
-            for (index, t), (at, device, _) in self.copies.items()]
 
   def dispatch(self, arr: jax.Array, ring: _Ring) -> dict[tuple[Index, int], jax.Array]:
     """Starts the copies: whole-array ``device_put``s where the sharding
