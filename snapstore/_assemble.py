@@ -104,7 +104,7 @@ class Assembler:
     copies met on the way; its bytes). Changes nothing: threads may run it."""
     found: list[BadCopy] = []
     for copy in self.plan.copies[key]:
-      if not self.source.holds(copy.store) or copy.key(self.plan.step) in self.bad:
+      if not self.source.holds(copy.store) or (self.bad and copy.key(self.plan.step) in self.bad):
         continue
       try:
         got = self.source.fetch(self.plan, copy, device, out=out)
@@ -126,15 +126,17 @@ class Assembler:
     ``pool`` (a single process restores every piece: host copies then cost
     one pass over memory on every core, not on the caller's thread alone).
     A piece with no good copy is left to :meth:`piece`, which raises."""
-    keys = [k for k, copies in self.plan.copies.items()
-            if k not in self._verified and any(self.source.holds(c.store) for c in copies)]
-    keys.sort(key=lambda k: -self.plan.copies[k][0].record.nbytes)  # big ones first
+    held = {s for s in self.plan.stores if self.source.holds(s)}
+    plan_copies = self.plan.copies
+    keys = [k for k, copies in plan_copies.items() if k not in self._verified
+            and (copies[0].store in held or any(c.store in held for c in copies))]
+    keys.sort(key=lambda k: plan_copies[k][0].record.nbytes, reverse=True)  # big ones first
     # One arena for every piece (the restored arrays adopt parts of it),
     # reused from the last restore when nothing uses it any more (._arena);
     # fresh, it is first touched by the copy that fills it, on every core
     # (per-piece buffers took 40-400 ms for 256 MB, a fresh arena 44-73).
     # Small pieces share a task (its Python costs more than copying 64 KiB).
-    sizes = [self.plan.copies[k][0].record.nbytes for k in keys]
+    sizes = [plan_copies[k][0].record.nbytes for k in keys]
     total = sum(align(n) for n in sizes)
     arena = self.arenas.take(total) if self.arenas is not None else host_arena(total)
     tasks: list[list[tuple[tuple[int, Index], np.ndarray]]] = [[]]

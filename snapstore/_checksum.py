@@ -145,7 +145,9 @@ def copy_verified(src: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key
   bytes returned, whatever happens to ``src`` later), or None. ``out``: flat
   uint8 memory of the right size, private to the caller, to copy into (else
   a new buffer)."""
-  raw = _flat_bytes(src)
+  # (a store's bytes come flat: three numpy calls a piece saved)
+  raw = src if src.dtype == np.uint8 and src.ndim == 1 and src.flags.c_contiguous \
+      else _flat_bytes(src)
   n = raw.nbytes
   if n <= chunk_bytes:  # one chunk (most pieces of a many-leaves state): no pool, no closure
     if len(crcs) != 1:

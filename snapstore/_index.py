@@ -26,6 +26,7 @@ def align(n: int) -> int:
   return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same pieces every snapshot and restore
 def shape_of(index: Index) -> tuple[int, ...]:
   return tuple(b - a for a, b in index)
 

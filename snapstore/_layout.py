@@ -43,6 +43,12 @@ class LeafKind(enum.Enum):
   SCALAR = "scalar"  # bool / int / float / str, stored in the manifest
 
 
+@functools.lru_cache(maxsize=256)
+def _np_dtype(name: str) -> np.dtype:
+  """The numpy dtype named ``name`` (asked for once a piece at restore)."""
+  return np.dtype(jax.numpy.dtype(name))
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
   path: str
@@ -57,7 +63,7 @@ class LeafSpec:
 
   @property
   def np_dtype(self) -> np.dtype:
-    return np.dtype(jax.numpy.dtype(self.dtype))
+    return _np_dtype(self.dtype)
 
   def describe(self) -> str:
     if self.kind is LeafKind.SCALAR:

@@ -138,9 +138,14 @@ class HostFilesBackend(DomainStores):
   def _read(self, plan: StepPlan, copy: Copy) -> np.ndarray:
     """The bytes of ``copy``: its slot is opened and its length checked once
     per plan (not once per piece: a state has thousands)."""
+    if self._views_plan is plan:  # the usual case: no lock (dict reads are atomic)
+      buf = self._views.get((copy.store, copy.slot))
+      if buf is not None and buf.nbytes >= copy.slot_bytes:
+        return buf[copy.record.offset: copy.record.offset + copy.record.nbytes]
     with self._views_lock:
       if self._views_plan is not plan:
-        self._views_plan, self._views = plan, {}
+        self._views = {}  # before the plan: a reader without the lock that
+        self._views_plan = plan  # sees this plan sees its views
       buf = self._views.get((copy.store, copy.slot))
       if buf is None or buf.nbytes < copy.slot_bytes:
         try:
