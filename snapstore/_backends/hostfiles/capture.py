@@ -406,7 +406,7 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   return caps
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)  # one entry a leaf: a state has thousands
 def _domain_rows(leaf: int, layout: HolderLayout, order: tuple[int, ...], replicas: int,
                  itemsize: int
                  ) -> tuple[tuple[int, ...],

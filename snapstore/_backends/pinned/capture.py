@@ -230,7 +230,7 @@ class _HostRows:
                        tuple[int, ...], tuple[jax.Device, ...]], ...]
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)  # one entry a leaf: a state has thousands
 def _host_rows(leaf: int, layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring,
                replicas: int, itemsize: int) -> _HostRows:
   keep, _, copies = _structure(layout, device_ids, ring, replicas)
