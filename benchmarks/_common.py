@@ -95,6 +95,73 @@ def checked_copy_seconds(sources: Sequence[np.ndarray], copies: int, repeats: in
     return median_seconds(run, repeats)
 
 
+def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
+  """Median seconds of the least a store written in Python pays per piece,
+  unchecked, in this process: ``save_s``, a numpy view of every addressable
+  shard (what pins it against donation) copied into reused memory, one
+  ``np.copyto`` a piece; ``restore_s``, every piece copied back out into
+  reused memory and each leaf placed with JAX's batched put (snapstore's
+  ``_assemble._place_host``, what a restore ends in). The copies run on one
+  thread or split between two, whichever is faster (two win for big pieces;
+  for small ones they only contend for the GIL). No checksums, manifests or
+  second copies: with many small pieces what is left is per-piece Python
+  and JAX's per-shard cost."""
+  from concurrent import futures  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  from snapstore._assemble import _place_host, _wanted  # noqa: PLC0415
+  from snapstore._arena import host_arena  # noqa: PLC0415
+  from snapstore._index import align, shape_of  # noqa: PLC0415
+  from snapstore._layout import leaf_spec, positions  # noqa: PLC0415
+  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+  specs = [leaf_spec(f"w{i}", x) for i, x in enumerate(leaves)]
+  rows = []  # (leaf, device, index, position, offset, bytes) of each wanted shard
+  at = 0
+  for j, x in enumerate(leaves):
+    where = positions(x)
+    for device, index in _wanted(x.sharding, tuple(x.shape)):
+      n = x.dtype.itemsize * int(np.prod(shape_of(index)))
+      rows.append((j, device, index, where[device.id], at, n))
+      at += align(n)  # page-aligned parts: the placed arrays adopt them, as a restore's do
+  slot = np.zeros(at, np.uint8)
+  arena = host_arena(at)
+  halves = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+
+  def save_some(some: Sequence[tuple[Any, ...]]) -> None:
+    for j, _, _, pos, off, n in some:
+      view = np.asarray(leaves[j].addressable_data(pos)).reshape(-1).view(np.uint8)
+      np.copyto(slot[off:off + n], view)
+
+  def restore_some(some: Sequence[tuple[Any, ...]]) -> list[np.ndarray]:
+    out = []
+    for j, _, index, _, off, n in some:
+      part = arena[off:off + n]
+      np.copyto(part, slot[off:off + n])
+      out.append(part.view(leaves[j].dtype).reshape(shape_of(index)))
+    return out
+
+  def place(parts: Sequence[np.ndarray]) -> None:
+    by_leaf: list[list[int]] = [[] for _ in leaves]
+    for k, (j, *_) in enumerate(rows):
+      by_leaf[j].append(k)
+    jax.block_until_ready([
+        _place_host(spec, x.sharding, [rows[k][1:3] for k in ks], [parts[k] for k in ks])
+        for x, spec, ks in zip(leaves, specs, by_leaf)])
+
+  with futures.ThreadPoolExecutor(2) as pool:
+    two = lambda fn: [y for part in pool.map(fn, halves) for y in (part or [])]  # noqa: E731
+    save_one = lambda: save_some(rows)  # noqa: E731
+    save_two = lambda: two(save_some)  # noqa: E731
+    restore_one = lambda: place(restore_some(rows))  # noqa: E731
+    restore_two = lambda: place(two(restore_some))  # noqa: E731
+    for fn in (save_one, save_two, restore_one, restore_two):
+      fn()
+    return {"save_s": min(median_seconds(save_one, repeats), median_seconds(save_two, repeats)),
+            "restore_s": min(median_seconds(restore_one, repeats),
+                             median_seconds(restore_two, repeats))}
+
+
 def ram_dir(prefix: str) -> Path:
   base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
   return Path(tempfile.mkdtemp(prefix=prefix, dir=base))

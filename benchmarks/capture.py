@@ -20,9 +20,13 @@ devices (a 2x4 mesh, float32 leaves of ~16 MB sharded over all devices):
 * ``gc_full_collections`` / ``gc_full_seconds``: Python's full garbage
   collections during ``gc_saves`` saves in a row (the first ``--repeats`` of
   them are the timed saves);
+* ``floor``: the least a store written in Python pays per piece here,
+  unchecked (``_common.piecewise_floor``: a view and a copy a piece; a copy
+  a piece and JAX's batched put a leaf), and ``over_floor``, save complete
+  and restore over it;
 * ``many_leaves``: the same, with the same bytes split over
   ``--many-leaves`` leaves (default 500), and its times over the few-leaves
-  case's (per-leaf Python cost shows there).
+  case's (per-leaf Python cost shows there), the floor's too.
 
 Ratios to memcpy are the headline: they are measured side by side.
 """
@@ -36,7 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from benchmarks._common import (FullCollections, calibrated_step, cleanup, emit, make_state,
-                                ram_dir, setup_cpu_devices)
+                                piecewise_floor, ram_dir, setup_cpu_devices)
 
 
 class _Memcpy:
@@ -107,6 +111,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       restore_memcpy_s = memcpy.median_since(repeats)
 
       save_s = _median(totals)
+      floor = piecewise_floor(state, repeats)
       fn, x, iters = calibrated_step(state, sharding, save_s * step_factor)
       state, _ = fn(state, x, iters)
 
@@ -138,6 +143,9 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       "step_s_plain": step_plain, "step_s_snapshot": step_snap,
       "copy_fraction_of_step": save_s / step_plain,
       "step_overhead": step_snap / step_plain - 1.0,
+      "floor": floor,
+      "over_floor": {"save_complete_s": save_s / floor["save_s"],
+                     "restore_s": restore_s / floor["restore_s"]},
       "gc_saves": gc_saves, "gc_full_collections": gcs.count, "gc_full_seconds": gcs.seconds,
   }
 
@@ -162,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       row["vs_few_leaves"] = {k: row[k] / rows[-1][k] for k in
                               ("save_complete_s", "save_return_s", "restore_s",
                                "restore_first_s")}
+      row["vs_few_leaves"].update({f"floor_{k}": row["floor"][k] / rows[-1]["floor"][k]
+                                   for k in row["floor"]})
       many.append(row)
   emit("capture", {"sizes": rows, "many_leaves": many}, args.out)
   return 0

@@ -30,6 +30,9 @@ def test_capture_benchmark_smoke(tmp_path, capsys):
   (many,) = result["many_leaves"]
   assert many["leaves"] == 64 and many["leaves"] > row["leaves"]
   _positive(*many["vs_few_leaves"].values())
+  for r in (row, many):
+    _positive(*r["floor"].values(), *r["over_floor"].values())
+  assert {"floor_save_s", "floor_restore_s"} <= set(many["vs_few_leaves"])
   _positive(*(row[k] for k in ("memcpy_gbps", "save_gbps", "save_vs_memcpy", "restore_gbps",
                                "restore_vs_memcpy", "step_s_plain", "step_s_snapshot")))
   assert math.isfinite(row["step_overhead"])
