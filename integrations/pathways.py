@@ -229,11 +229,13 @@ class Snapshotter:
     # Where it came from, without the state: holding it would keep a second
     # state in memory once the caller's steps have replaced it.
     self.last_restore = dataclasses.replace(result, state=None)
-    # The slices the state now lives on are up: later snapshots use them.
+    # The slices the state now lives on are up: later snapshots use them. A
+    # state on no device (loaded into numpy arrays) says nothing of them.
     devices = {d for x in jax.tree.leaves(result.state)
                if isinstance(x, jax.Array) for d in x.sharding.device_set}
-    self._mgr.set_active_domains(sorted({k for k, devs in self._slices.items()
-                                         if devices & set(devs)}))
+    if devices:
+      self._mgr.set_active_domains(sorted({k for k, devs in self._slices.items()
+                                           if devices & set(devs)}))
     return result.state
 
   def join(self) -> None:

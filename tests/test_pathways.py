@@ -226,6 +226,27 @@ def test_snapshotter_keeps_single_device_leaves_and_keys(slices, store_dir):
   snap.close()
 
 
+def test_a_load_into_numpy_leaves_every_slice_active(slices, store_dir):
+  """A state loaded into numpy arrays lives on no slice: the next save of a
+  state on both slices still works (it raised: no slice was left active)."""
+  s2d, _, _ = slices
+  snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, keep=2), slices=s2d)
+  mesh = jax.make_mesh((2, 4), ("r", "m"))
+  state = {"w": jax.device_put(jnp.arange(64, dtype=jnp.float32).reshape(8, 8),
+                               NamedSharding(mesh, P("r", "m")))}
+  snap.save(1, state)
+  snap.join()
+  got = snap.load({"w": np.zeros((8, 8), np.float32)})
+  assert_bitwise_equal(host_copy(state), got)
+  state = {"w": state["w"] + 1}
+  snap.save(2, state)
+  snap.join()
+  assert snap.latest.step == 2
+  assert_bitwise_equal(host_copy(state), snap.load(jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)))
+  snap.close()
+
+
 @pytest.mark.parametrize("store", [StoreKind.PINNED_HOST, StoreKind.HOST_FILES])
 def test_save_never_drops_a_step_silently(store, store_dir, monkeypatch):
   from snapstore._backends.hostfiles import capture as _capture
