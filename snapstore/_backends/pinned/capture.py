@@ -251,9 +251,10 @@ def _host_rows(leaf: int, layout: HolderLayout, device_ids: tuple[int, ...], rin
 
 def _add_host_leaf(cap: PinnedCapture, leaf: int, path: str, arr: jax.Array, ring: _Ring,
                    replicas: int) -> None:
-  """CPU, replicas: appends the copies of one leaf, their sources pinned by
-  a view each (the drain copies them); its per-copy plan is computed once
-  (:func:`_host_rows`): a state has thousands of copies, every save."""
+  """CPU: appends the copies of one leaf (``replicas`` more than its
+  holders', ring order), their sources pinned by a view each (the drain
+  copies them); its per-copy plan is computed once (:func:`_host_rows`): a
+  state has thousands of copies, every save."""
   rows = _host_rows(leaf, holder_layout(path, arr, ring.domain_of), tuple(positions(arr)),
                     ring, replicas, arr.dtype.itemsize)
   shards = shard_arrays(arr)
