@@ -142,7 +142,8 @@ class SnapshotManager:
     # (mismatched collectives: gloo aborts the process on the size mismatch).
     travel = self.options.carries_replicas(step)
     copies = 1 if self.options.redundancy == "parity" else self.options.replicas
-    pending = self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
+    with _switch.collections_paused(self.options.pause_gc):
+      pending = self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
     self._inflight = self._drainer.submit(self._drain, pending)
     self.metrics.snapshots_started += 1
     self.metrics.capture_seconds = time.perf_counter() - t0
@@ -154,8 +155,9 @@ class SnapshotManager:
 
   def _drain(self, pending: Any) -> None:
     t0 = time.perf_counter()
-    with _switch.lowered(self.options.drain_switch_interval_s):
-      nbytes = self.backend.drain(pending)
+    with _switch.lowered(self.options.drain_switch_interval_s), \
+        _switch.collections_paused(self.options.pause_gc):
+      nbytes = self.backend.drain(pending)  # drops the capture's views, inside the pause
     self._arenas.trim()  # the last restore's memory, if the state left it
     self._inflight_done_at = time.perf_counter()
     self.schedule.on_drain(self._inflight_done_at - t0)

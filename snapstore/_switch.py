@@ -1,4 +1,7 @@
-"""The interpreter's thread switch interval, lowered while snapshots drain.
+"""Interpreter settings held while snapshots are taken: the thread switch
+interval, lowered while they drain (:func:`lowered`); and Python's cyclic
+garbage collector, paused while they are captured and drained
+(:func:`collections_paused`).
 
 A drain runs Python (manifests, checksums' bookkeeping) on a background
 thread beside the training loop. CPython hands the GIL to a waiting thread
@@ -15,6 +18,7 @@ found after the last, unless someone else changed it meanwhile.
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import threading
 from collections.abc import Iterator
@@ -48,3 +52,42 @@ def lowered(seconds: float | None) -> Iterator[None]:
         if sys.getswitchinterval() == _ours:  # not changed by someone else meanwhile
           sys.setswitchinterval(_saved)
         _saved = _ours = None
+
+
+_gc_lock = threading.Lock()
+_gc_active = 0
+_gc_paused = False  # we turned it off (it was on when the first block began)
+
+
+@contextlib.contextmanager
+def collections_paused(pause: bool = True) -> Iterator[None]:
+  """While the block runs, Python's cyclic garbage collector is off (with
+  ``pause``). A save makes a numpy view of every shard, each with a
+  memoryview and a managed buffer the collector tracks, and they live until
+  the drain has copied them: thousands of them at many leaves. Collections
+  during that time promote them to the oldest generation, and full
+  collections (~100 ms in a JAX process, on whichever thread allocates,
+  often the training loop's) follow every few saves: 7 in 40 saves of a
+  500-leaf state against 1 with this pause (a scratch script). Memory is
+  still freed by reference counts meanwhile; cycles wait for the end of the
+  block. Nested and concurrent blocks share one pause; the collector is
+  turned back on after the last, if it was on before the first and is
+  still off."""
+  global _gc_active, _gc_paused
+  if not pause:
+    yield
+    return
+  with _gc_lock:
+    if _gc_active == 0 and gc.isenabled():
+      gc.disable()
+      _gc_paused = True
+    _gc_active += 1
+  try:
+    yield
+  finally:
+    with _gc_lock:
+      _gc_active -= 1
+      if _gc_active == 0 and _gc_paused:
+        _gc_paused = False
+        if not gc.isenabled():
+          gc.enable()

@@ -83,6 +83,11 @@ class SnapshotOptions:
       drain's Python holds up the training loop for at most that long at a
       time (CPython's default is 5 ms); the previous value is put back when
       no drain runs. ``None``: left alone.
+    pause_gc: Python's cyclic garbage collector is paused while a snapshot
+      is captured and drained (``_switch.collections_paused``): the
+      thousands of short-lived views a save of many leaves makes would
+      otherwise bring full collections every few saves. ``False``: left
+      alone.
     incarnation: this job's incarnation (restart count); ``None`` takes
       ``$SNAPSTORE_INCARNATION`` (set by ``snapstore launch``), else one more
       than the newest in the stores (agreed across hosts).
@@ -107,6 +112,7 @@ class SnapshotOptions:
   store: StoreKind = StoreKind.AUTO
   pinned_checksum: str = "auto"
   drain_switch_interval_s: float | None = 0.0005
+  pause_gc: bool = True
 
   def __post_init__(self):
     if self.interval == "auto":
@@ -135,6 +141,8 @@ class SnapshotOptions:
       raise ValueError(f"parity_k must be at most 1023, got {self.parity_k}")
     if self.hosts_per_domain is not None:
       _int_option("hosts_per_domain", self.hosts_per_domain, 1, "or None")
+    if type(self.pause_gc) is not bool:
+      raise ValueError(f"pause_gc must be True or False, got {self.pause_gc!r}")
     if self.drain_switch_interval_s is not None and not (
         type(self.drain_switch_interval_s) in (int, float)
         and 0 < self.drain_switch_interval_s <= 1):

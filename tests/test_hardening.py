@@ -106,7 +106,8 @@ def test_a_symlinked_slot_is_never_written_through(store_dir, tmp_path):
                                 dict(budget_bytes=1.5e9), dict(replicas=-1),
                                 dict(drain_switch_interval_s=0),
                                 dict(drain_switch_interval_s=2.0),
-                                dict(drain_switch_interval_s="1ms")])
+                                dict(drain_switch_interval_s="1ms"),
+                                dict(pause_gc=1), dict(pause_gc="yes")])
 def test_bad_options_are_refused_naming_the_option(kw):
   (name,) = kw
   with pytest.raises((TypeError, ValueError), match=name):

@@ -221,6 +221,54 @@ def test_a_drain_lowers_the_switch_interval_and_puts_it_back(trainer, store_dir,
   assert seen == [pytest.approx(before if interval is None else interval)]
 
 
+@pytest.mark.parametrize("pause", [True, False])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_capture_and_drain_pause_the_collector_and_put_it_back(trainer, store_dir, pause,
+                                                                enabled):
+  """While a save captures and its drain runs, the cyclic collector is off
+  (``pause_gc``); afterwards it is as the program had it."""
+  import gc
+
+  seen = []
+  was = gc.isenabled()
+  try:
+    (gc.enable if enabled else gc.disable)()
+    with snapstore.SnapshotManager(opts(store_dir, pause_gc=pause)) as mgr:
+      capture, drain = mgr.backend.capture, mgr.backend.drain
+      mgr.backend.capture = lambda *a, **k: (seen.append(gc.isenabled()), capture(*a, **k))[1]
+      mgr.backend.drain = lambda p: (seen.append(gc.isenabled()), drain(p))[1]
+      mgr.save(1, trainer.init_state())
+      mgr.wait_until_finished()
+      assert gc.isenabled() == enabled
+    assert seen == [enabled and not pause] * 2
+  finally:
+    (gc.enable if was else gc.disable)()
+
+
+def test_the_collector_pause_is_shared_and_never_undoes_another_change():
+  import gc
+
+  from snapstore import _switch
+
+  was = gc.isenabled()
+  try:
+    gc.enable()
+    with _switch.collections_paused():
+      with _switch.collections_paused():  # the drain of a save meanwhile
+        assert not gc.isenabled()
+      assert not gc.isenabled()  # the first still runs
+    assert gc.isenabled()
+    with _switch.collections_paused():
+      gc.enable()  # the program's own choice, made meanwhile
+    assert gc.isenabled()
+    gc.disable()
+    with _switch.collections_paused():
+      pass
+    assert not gc.isenabled()  # off before: left off
+  finally:
+    (gc.enable if was else gc.disable)()
+
+
 def test_the_switch_interval_is_shared_by_drains_and_never_undoes_another_change():
   import sys
 
