@@ -61,12 +61,38 @@ class FullCollections:
     gc.callbacks.remove(self._callback)
 
 
+def upper_median(xs: Sequence[float]) -> float:
+  """The middle value (the upper one of an even count)."""
+  return sorted(xs)[len(xs) // 2]
+
+
+class Memcpy:
+  """Single-thread ``np.copyto`` of ``nbytes`` into a touched, reused
+  buffer, timed one sample at a time (each can be taken beside the
+  operation it is compared with: this machine's bandwidth drifts)."""
+
+  def __init__(self, nbytes: int) -> None:
+    self.src = np.ones(nbytes, np.uint8)
+    self.dst = np.zeros(nbytes, np.uint8)
+    np.copyto(self.dst, self.src)
+    self.samples: list[float] = []
+
+  def sample(self) -> None:
+    t = time.perf_counter()
+    np.copyto(self.dst, self.src)
+    self.samples.append(time.perf_counter() - t)
+
+  def median_since(self, start: int) -> float:
+    """Median seconds of the samples from number ``start`` on."""
+    return upper_median(self.samples[start:])
+
+
 def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> float:
   """Single-thread np.copyto bandwidth (bytes/s) into a touched, reused buffer."""
-  src = np.ones(nbytes, np.uint8)
-  dst = np.zeros(nbytes, np.uint8)
-  np.copyto(dst, src)
-  return nbytes / median_seconds(lambda: np.copyto(dst, src), repeats)
+  m = Memcpy(nbytes)
+  for _ in range(repeats):
+    m.sample()
+  return nbytes / m.median_since(0)
 
 
 def checked_copy_seconds(sources: Sequence[np.ndarray], copies: int, repeats: int = 5,
@@ -112,7 +138,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
 
   from snapstore._assemble import _place_host, _wanted  # noqa: PLC0415
   from snapstore._arena import host_arena  # noqa: PLC0415
-  from snapstore._index import align, shape_of  # noqa: PLC0415
+  from snapstore._index import align, nbytes as index_nbytes, shape_of  # noqa: PLC0415
   from snapstore._layout import leaf_spec, positions  # noqa: PLC0415
   leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
   specs = [leaf_spec(f"w{i}", x) for i, x in enumerate(leaves)]
@@ -121,7 +147,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   for j, x in enumerate(leaves):
     where = positions(x)
     for device, index in _wanted(x.sharding, tuple(x.shape)):
-      n = x.dtype.itemsize * int(np.prod(shape_of(index)))
+      n = index_nbytes(index, x.dtype.itemsize)
       rows.append((j, device, index, where[device.id], at, n))
       at += align(n)  # page-aligned parts: the placed arrays adopt them, as a restore's do
   slot = np.zeros(at, np.uint8)

@@ -37,34 +37,9 @@ import argparse
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
-from benchmarks._common import (FullCollections, calibrated_step, cleanup, emit, make_state,
-                                piecewise_floor, ram_dir, setup_cpu_devices)
-
-
-class _Memcpy:
-  """Single-thread memcpy of ``nbytes`` into a touched, reused buffer, one
-  sample at a time (each taken beside a timed operation)."""
-
-  def __init__(self, nbytes: int) -> None:
-    self.src = np.ones(nbytes, np.uint8)
-    self.dst = np.zeros(nbytes, np.uint8)
-    np.copyto(self.dst, self.src)
-    self.samples: list[float] = []
-
-  def sample(self) -> None:
-    t = time.perf_counter()
-    np.copyto(self.dst, self.src)
-    self.samples.append(time.perf_counter() - t)
-
-  def median_since(self, start: int) -> float:
-    got = sorted(self.samples[start:])
-    return got[len(got) // 2]
-
-
-def _median(xs: list[float]) -> float:
-  return sorted(xs)[len(xs) // 2]
+from benchmarks._common import (FullCollections, Memcpy, calibrated_step, cleanup, emit,
+                                make_state, piecewise_floor, ram_dir, setup_cpu_devices,
+                                upper_median)
 
 
 def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = None,
@@ -74,7 +49,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
   import snapstore  # noqa: PLC0415
   state, sharding = make_state(mb << 20, leaves)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  memcpy = _Memcpy(nbytes)
+  memcpy = Memcpy(nbytes)
   store = ram_dir("snapstore-bench-")
   try:
     opts = snapstore.SnapshotOptions(store_dir=store, keep=1)
@@ -107,10 +82,10 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
         t = time.perf_counter()
         jax.block_until_ready(mgr.restore(abstract).state)
         restores.append(time.perf_counter() - t)
-      restore_s = _median(restores)
+      restore_s = upper_median(restores)
       restore_memcpy_s = memcpy.median_since(repeats)
 
-      save_s = _median(totals)
+      save_s = upper_median(totals)
       floor = piecewise_floor(state, repeats)
       fn, x, iters = calibrated_step(state, sharding, save_s * step_factor)
       state, _ = fn(state, x, iters)
@@ -137,7 +112,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       "state_mb": nbytes / 2**20, "leaves": len(state),
       "memcpy_gbps": nbytes / memcpy.median_since(0) / 1e9,
       "save_gbps": nbytes / save_s / 1e9, "save_vs_memcpy": save_memcpy_s / save_s,
-      "save_return_s": _median(returns), "save_complete_s": save_s,
+      "save_return_s": upper_median(returns), "save_complete_s": save_s,
       "restore_gbps": nbytes / restore_s / 1e9, "restore_vs_memcpy": restore_memcpy_s / restore_s,
       "restore_s": restore_s, "restore_first_s": restore_first_s,
       "step_s_plain": step_plain, "step_s_snapshot": step_snap,
