@@ -121,6 +121,26 @@ def checked_copy_seconds(sources: Sequence[np.ndarray], copies: int, repeats: in
     return median_seconds(run, repeats)
 
 
+def checked_floor(state: Any, repeats: int, memcpy: Memcpy) -> dict[str, float | int]:
+  """One checked copy of every addressable shard of ``state``
+  (:func:`checked_copy_seconds`, on one thread and on two): ``seconds``,
+  the faster; ``threads``, which; ``vs_memcpy``, the median of ``memcpy``
+  samples taken beside the timed runs over ``seconds``."""
+  import jax  # noqa: PLC0415
+  sources = [np.asarray(s.data).reshape(-1).view(np.uint8)
+             for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
+             for s in x.addressable_shards]
+  start = len(memcpy.samples)
+  times = {}
+  for threads in (1, 2):
+    memcpy.sample()
+    times[threads] = checked_copy_seconds(sources, copies=1, repeats=repeats, threads=threads)
+    memcpy.sample()
+  threads = min(times, key=times.__getitem__)
+  return {"seconds": times[threads], "threads": threads,
+          "vs_memcpy": memcpy.median_since(start) / times[threads]}
+
+
 def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   """Median seconds of the least a store written in Python pays per piece,
   unchecked, in this process: ``save_s``, a numpy view of every addressable

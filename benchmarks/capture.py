@@ -24,6 +24,12 @@ devices (a 2x4 mesh, float32 leaves of ~16 MB sharded over all devices):
   unchecked (``_common.piecewise_floor``: a view and a copy a piece; a copy
   a piece and JAX's batched put a leaf), and ``over_floor``, save complete
   and restore over it;
+* ``checked_floor``: one checked copy of every shard and nothing else
+  (``_common.checked_copy_seconds``: snapstore's fused copy and crc32c into
+  touched, reused memory, on one thread or two, whichever is faster), and
+  ``vs_memcpy``, the memcpy samples taken beside it over it: what any store
+  that checks every byte can reach here, the bound of ``save_vs_memcpy``
+  and ``restore_vs_memcpy``;
 * ``many_leaves``: the same, with the same bytes split over
   ``--many-leaves`` leaves (default 500), and its times over the few-leaves
   case's (per-leaf Python cost shows there), the floor's too.
@@ -37,9 +43,9 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from benchmarks._common import (FullCollections, Memcpy, calibrated_step, cleanup, emit,
-                                make_state, piecewise_floor, ram_dir, setup_cpu_devices,
-                                upper_median)
+from benchmarks._common import (FullCollections, Memcpy, calibrated_step, checked_floor,
+                                cleanup, emit, make_state, piecewise_floor, ram_dir,
+                                setup_cpu_devices, upper_median)
 
 
 def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = None,
@@ -87,6 +93,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
 
       save_s = upper_median(totals)
       floor = piecewise_floor(state, repeats)
+      checked = checked_floor(state, repeats, memcpy)
       fn, x, iters = calibrated_step(state, sharding, save_s * step_factor)
       state, _ = fn(state, x, iters)
 
@@ -121,6 +128,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       "floor": floor,
       "over_floor": {"save_complete_s": save_s / floor["save_s"],
                      "restore_s": restore_s / floor["restore_s"]},
+      "checked_floor": checked,
       "gc_saves": gc_saves, "gc_full_collections": gcs.count, "gc_full_seconds": gcs.seconds,
   }
 

@@ -83,8 +83,9 @@ class Solo:
       # every store is here: the shares are the sum.
       _rebuild(assembler, lambda leaf, idx: _flat(assembler.piece(leaf, idx)),
                assembler.block, lambda words: words)
-      if assembler.source.prefetch_pool is not None:
-        assembler.prefetch(assembler.source.prefetch_pool)
+      source = assembler.source
+      if source.prefetch_pool is not None:
+        assembler.prefetch(source.prefetch_pool, source.prefetch_workers)
       leaves = assembler.tree(target_specs, targets)
     except BadCopy as e:
       assembler.bad.setdefault(e.key, e)

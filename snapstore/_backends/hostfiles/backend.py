@@ -58,6 +58,7 @@ class HostFilesBackend(DomainStores):
     self.options = options
     self._pool = pool
     self.prefetch_pool = pool  # host copies: fetched in parallel (Assembler.prefetch)
+    self.prefetch_workers = options.copy_threads
     self._host = host
     self._domain_of = ({d: k for k, devs in slices.items() for d in devs}
                        if slices is not None else None)

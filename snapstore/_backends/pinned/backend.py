@@ -72,6 +72,7 @@ class PinnedHostBackend(DomainStores):
     # use) and the copy put back; else each leaf is put back from its
     # devices' own copies at once and verified there (place_leaf).
     self.prefetch_pool = pool if self.checksum is ChecksumKind.CRC32C else None
+    self.prefetch_workers = options.copy_threads
     super().__init__({i: PinnedHostStore(i, keep=options.keep,
                                          budget_bytes=options.budget_bytes)
                       for i in sorted(slices)}, run_id=options.run_id)
