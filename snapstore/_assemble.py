@@ -11,7 +11,7 @@ the manager, which plans again (an older step, then the persistent tier).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any, Protocol
 
@@ -129,15 +129,17 @@ class Assembler:
       self._verified[key] = got
       self.bytes_read += nbytes
 
-  def prefetch(self, pool: futures.Executor, workers: int = 2) -> None:
-    """Fetches and verifies every piece of the plan held here, in parallel on
-    ``pool`` of ``workers`` threads (a single process restores every piece:
-    host copies then cost one pass over memory on every core, not on the
+  def prefetch(self, pool: futures.Executor, workers: int = 2,
+               keys: Iterable[tuple[int, Index]] | None = None) -> None:
+    """Fetches and verifies every piece of the plan held here (of ``keys``,
+    where given), in parallel on ``pool`` of ``workers`` threads (host
+    copies then cost one pass over memory on every core, not on the
     caller's thread alone). A piece with no good copy is left to
     :meth:`piece`, which raises."""
     held = {s for s in self.plan.stores if self.source.holds(s)}
     plan_copies = self.plan.copies
-    keys = [k for k, copies in plan_copies.items() if k not in self._verified
+    keys = [k for k in (plan_copies if keys is None else keys)
+            if k not in self._verified and (copies := plan_copies[k])
             and (copies[0].store in held or any(c.store in held for c in copies))]
     keys.sort(key=lambda k: plan_copies[k][0].record.nbytes, reverse=True)  # big ones first
     # One arena for every piece (the restored arrays adopt parts of it),
@@ -242,6 +244,22 @@ class Assembler:
     for dst, part, src in parts:  # cut and placed on ``device``
       dev = dev.at[dst].set(jax.device_put(part[src], device))
     return dev, True
+
+  def local_pieces(self, leaf: int, target_spec: LeafSpec, target: Any
+                   ) -> list[tuple[int, Index]]:
+    """The pieces of ``leaf`` that :meth:`leaf` reads for this process's
+    shards of ``target`` (none for a scalar or a numpy target)."""
+    spec = self.plan.specs[leaf]
+    if spec.kind is LeafKind.SCALAR or wants_numpy(spec, target_spec, target):
+      return []
+    pieces = self.plan.leaf_copies(leaf)
+    out: dict[tuple[int, Index], None] = {}
+    for _, idx in _wanted(target_sharding(target), tuple(spec.shape)):
+      if idx in pieces:
+        out[(leaf, idx)] = None
+      else:
+        out.update(((leaf, p), None) for p, _, _ in overlaps(pieces, idx))
+    return list(out)
 
   def leaf(self, leaf: int, target_spec: LeafSpec, target: Any) -> Any:
     spec = self.plan.specs[leaf]

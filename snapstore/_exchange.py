@@ -25,29 +25,45 @@ from ._planner import REBUILT, Copy, StepPlan
 
 
 def allgather_bytes(blob: bytes) -> list[bytes]:
-  """Every process's ``blob``, in process order."""
+  """Every process's ``blob``, in process order: two all-reduces (the
+  lengths, then the bytes), or one where every blob is empty."""
   n, me = jax.process_count(), jax.process_index()
   lengths = np.zeros(n, np.int64)
   lengths[me] = len(blob)
   lengths = sum_bytes(lengths.view(np.uint8)).view(np.int64)
-  size = max(int(lengths.max()), 1)
+  if not lengths.any():  # alike everywhere: every process skips the second
+    return [b""] * n
+  size = int(lengths.max())
   buf = np.zeros(n * size, np.uint8)
   buf[me * size: me * size + len(blob)] = np.frombuffer(blob, np.uint8)
   every = sum_bytes(buf)
   return [every[i * size: i * size + int(lengths[i])].tobytes() for i in range(n)]
 
 
-def gather_manifests(local: Sequence[Manifest]) -> list[Manifest]:
-  blobs = allgather_bytes(msgpack.packb([encode(m) for m in local]))
-  out = []
+def gather_manifests(local: Sequence[Manifest], values: Sequence[int] = ()
+                     ) -> tuple[list[Manifest], tuple[int, ...]]:
+  """Every process's manifests, and the maximum of each of ``values``
+  (as many on every process) over the processes: one exchange (each is two
+  all-reduces; a restore's first collectives, before any plan)."""
+  blobs = allgather_bytes(msgpack.packb([[encode(m) for m in local], [int(v) for v in values]]))
+  out: list[Manifest] = []
+  maxes: list[int] | None = None
   for blob in blobs:
-    out.extend(decode(b) for b in msgpack.unpackb(blob))
-  return out
+    manifests, theirs = msgpack.unpackb(blob)
+    out.extend(decode(b) for b in manifests)
+    if len(theirs) != len(values):
+      raise ValueError(f"a process sent {len(theirs)} values to agree on, this one {len(values)}")
+    maxes = list(theirs) if maxes is None else [max(a, int(b)) for a, b in zip(maxes, theirs)]
+  return out, tuple(maxes or ())
 
 
 def gather_ints(value: Sequence[int]) -> np.ndarray:
-  blobs = allgather_bytes(np.asarray(value, np.int64).tobytes())
-  return np.stack([np.frombuffer(b, np.int64) for b in blobs])
+  """Every process's ``value`` (as many ints on every process), one row a
+  process: one all-reduce (the length is known)."""
+  n, me, k = jax.process_count(), jax.process_index(), len(value)
+  rows = np.zeros((n, k), np.int64)
+  rows[me] = np.asarray(value, np.int64)
+  return sum_bytes(rows.reshape(-1).view(np.uint8)).view(np.int64).reshape(n, k)
 
 
 def chosen_source(copies: Sequence[Copy]) -> Copy:
@@ -146,9 +162,11 @@ def _sum(contribution: np.ndarray) -> np.ndarray:
 
 
 def gather_bad(local_bad: Sequence[tuple[int, int, int, Index]]) -> list[Any]:
+  """Every process's bad copies (nothing sent where none is: when no
+  process found one, the exchange is one all-reduce)."""
   rows = [[h, s, lf, [list(r) for r in idx]] for h, s, lf, idx in local_bad]
   out = []
-  for blob in allgather_bytes(msgpack.packb(rows)):
-    for h, s, lf, idx in msgpack.unpackb(blob):
+  for blob in allgather_bytes(msgpack.packb(rows) if rows else b""):
+    for h, s, lf, idx in (msgpack.unpackb(blob) if blob else ()):
       out.append((h, s, lf, tuple(tuple(r) for r in idx)))
   return out

@@ -227,16 +227,18 @@ class SnapshotManager:
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     target_specs, targets, treedef = flatten(abstract_state)
-    manifests = self._peers.gather_manifests(self.backend.manifests())
+    local = self.backend.manifests()
     persistent_steps = [s for s in (self.persistent.committed_steps() if self.persistent
                                     else []) if step is None or s == step]
-    # One incarnation for everyone from here (a replacement that joined a
-    # running job may not know the one the others reached), and one view of
-    # the persistent tier (the oldest newest-commit: commits only grow), so
-    # every process picks the same source.
-    newest, self.incarnation, neg_latest = self._peers.agree_max(
-        max([self._newest_step] + [m.step for m in manifests]), self.incarnation,
-        -(persistent_steps[-1] if persistent_steps else -1))
+    # Every store's manifests; with them, in the same exchange, one
+    # incarnation for everyone from here (a replacement that joined a
+    # running job may not know the one the others reached), the newest step
+    # any process saw, and one view of the persistent tier (the oldest
+    # newest-commit: commits only grow), so every process picks the same
+    # source.
+    manifests, (newest, self.incarnation, neg_latest) = self._peers.gather_manifests(
+        local, (max([self._newest_step] + [m.step for m in local]), self.incarnation,
+                -(persistent_steps[-1] if persistent_steps else -1)))
     persistent_steps = [s for s in persistent_steps if s <= -neg_latest]
     timings["scan"] = time.perf_counter() - t0
     bad: set[_planner.CopyKey] = set()

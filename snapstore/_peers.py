@@ -70,8 +70,9 @@ class Solo:
 
   multi_host = False
 
-  def gather_manifests(self, local: Sequence[Manifest]) -> list[Manifest]:
-    return list(local)
+  def gather_manifests(self, local: Sequence[Manifest], values: Sequence[int] = ()
+                       ) -> tuple[list[Manifest], tuple[int, ...]]:
+    return list(local), tuple(values)
 
   def agree_max(self, *values: int) -> tuple[int, ...]:
     return values
@@ -101,8 +102,11 @@ class Distributed:
   def __init__(self, host: int):
     self.host = host
 
-  def gather_manifests(self, local: Sequence[Manifest]) -> list[Manifest]:
-    return _exchange.gather_manifests(local)
+  def gather_manifests(self, local: Sequence[Manifest], values: Sequence[int] = ()
+                       ) -> tuple[list[Manifest], tuple[int, ...]]:
+    """Every process's manifests, and each of ``values``' maximum over the
+    processes (one exchange)."""
+    return _exchange.gather_manifests(local, values)
 
   def agree_max(self, *values: int) -> tuple[int, ...]:
     """The maximum of each value over every process."""
@@ -152,6 +156,7 @@ class Distributed:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     out: list[Any] = [None] * len(target_specs)
     moved: list[int] = []  # positions in target_specs with a piece to move
+    here: list[int] = []  # positions cut from this host's own copies alone
     needed: dict[tuple[int, Index], None] = {}  # pieces some host lacks, in order
     for pos, (tspec, target) in enumerate(zip(target_specs, targets)):
       li = by_path[tspec.path]
@@ -166,9 +171,16 @@ class Distributed:
         moved.append(pos)
         needed.update(((li, idx), None) for idx in missing)
       else:
-        out[pos] = assembler.leaf(li, tspec, target)
+        here.append(pos)
       if pos == len(target_specs) // 2:
         _faults.point("restore", plan.step)
+    source = assembler.source
+    if source.prefetch_pool is not None:  # this host's own pieces, copied on every core
+      assembler.prefetch(source.prefetch_pool, source.prefetch_workers, [
+          k for pos in here for k in assembler.local_pieces(
+              by_path[target_specs[pos].path], target_specs[pos], targets[pos])])
+    for pos in here:
+      out[pos] = assembler.leaf(by_path[target_specs[pos].path], target_specs[pos], targets[pos])
     keys = list(needed)
     nbytes = [plan.copies[k][0].record.nbytes for k in keys]
     sizes = [align(n) for n in nbytes]
