@@ -86,7 +86,8 @@ def test_multihost_benchmark_smoke(tmp_path):
                 tmp_path / "m.json")
   assert result["hosts"] == 4
   _positive(result["step_ratio"], result["orbax_local_vs_ram"], result["orbax_gcs_vs_ram"],
-            result["replica_bytes_per_step"])
+            result["orbax_local_vs_ram_first"], result["orbax_gcs_vs_ram_first"],
+            result["restore_ram_first_s"], result["replica_bytes_per_step"])
 
 
 def test_parity_benchmark_keeps_a_third_of_the_replica_bytes_and_restores_bitwise(tmp_path):
