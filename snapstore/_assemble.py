@@ -171,6 +171,10 @@ class Assembler:
       for (key, _), one in zip(task, got):
         self._keep(key, *one)
 
+  def verified(self, leaf: int, index: Index) -> bool:
+    """True once a copy of piece (leaf, index) was verified and kept."""
+    return (leaf, index) in self._verified
+
   def piece(self, leaf: int, index: Index, device: jax.Device | None = None) -> Stored:
     """The verified piece (leaf, index): on ``device`` for a jax.Array copy,
     else as stored. Tries the copies this process holds in plan order."""

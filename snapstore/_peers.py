@@ -114,12 +114,19 @@ class Distributed:
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
-    """Verifies every copy this host will use, agrees with the others on the
-    bad ones (a retry then plans without them), else builds the leaves."""
+    """Verifies every copy this host holds, agrees with the others on the
+    bad ones (a retry then plans without them), else builds the leaves.
+    The pieces this host's own shards are cut from are verified as they are
+    copied out (one pass over them: :meth:`Assembler.prefetch`), every other
+    copy it holds in place (most of them it will not use)."""
     plan = assembler.plan
+    split = self._split(assembler, target_specs, targets)
+    source = assembler.source
+    if source.prefetch_pool is not None:
+      assembler.prefetch(source.prefetch_pool, source.prefetch_workers, split.local)
     for (leaf, idx), copies in plan.copies.items():
-      if any(c.store == self.host for c in copies):
-        assembler.check(leaf, idx)  # in place: most of them this host will not use
+      if not assembler.verified(leaf, idx) and any(c.store == self.host for c in copies):
+        assembler.check(leaf, idx)
     for rb in plan.rebuilds:
       for c in rb.blocks.values():
         assembler.check_copy(c)
@@ -131,7 +138,7 @@ class Distributed:
     rebuilt = _rebuild(assembler, self._my_piece(assembler),
                        lambda c: assembler.block(c) if c.store == self.host else None,
                        _exchange.sum_words)
-    leaves, moved = self._leaves(assembler, target_specs, targets)
+    leaves, moved = self._leaves(assembler, split, target_specs, targets)
     return Assembled(leaves, {}, moved + rebuilt)
 
   def _my_piece(self, assembler: Assembler) -> Callable[[int, Index], np.ndarray | None]:
@@ -145,43 +152,48 @@ class Distributed:
       return _flat(assembler.piece(leaf, idx))
     return piece
 
-  def _leaves(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
-              targets: Sequence[Any]) -> tuple[list[Any], int]:
-    """Each leaf cut from the pieces its devices need: those a host lacks
-    (a lost host's shards, held as replicas elsewhere) travel first, in
-    batched JAX reductions of only those pieces, the same on every host."""
+  @staticmethod
+  def _split(assembler: Assembler, target_specs: Sequence[LeafSpec],
+             targets: Sequence[Any]) -> _Split:
+    """Which target leaves every host can cut from its own copies, and the
+    pieces some host lacks (the same on every host: a function of the plan)."""
     plan = assembler.plan
     by_path = {s.path: i for i, s in enumerate(plan.specs)}
     mesh = jax.sharding.Mesh(np.array(_group.devices()), ("all",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    out: list[Any] = [None] * len(target_specs)
-    moved: list[int] = []  # positions in target_specs with a piece to move
-    here: list[int] = []  # positions cut from this host's own copies alone
-    needed: dict[tuple[int, Index], None] = {}  # pieces some host lacks, in order
+    split = _Split([by_path[t.path] for t in target_specs])
+    needed: dict[tuple[int, Index], None] = {}
     for pos, (tspec, target) in enumerate(zip(target_specs, targets)):
-      li = by_path[tspec.path]
+      li = split.leaf[pos]
       spec = plan.specs[li]
       if spec.kind is LeafKind.SCALAR:
-        out[pos] = plan.scalars.get(li)
         continue
       sharding = (replicated if wants_numpy(spec, tspec, target)
                   else target_sharding(target))
       missing = _exchange.missing_pieces(plan, li, sharding, spec.shape)
       if missing:
-        moved.append(pos)
+        split.moved.append(pos)
         needed.update(((li, idx), None) for idx in missing)
       else:
-        here.append(pos)
-      if pos == len(target_specs) // 2:
-        _faults.point("restore", plan.step)
-    source = assembler.source
-    if source.prefetch_pool is not None:  # this host's own pieces, copied on every core
-      assembler.prefetch(source.prefetch_pool, source.prefetch_workers, [
-          k for pos in here for k in assembler.local_pieces(
-              by_path[target_specs[pos].path], target_specs[pos], targets[pos])])
-    for pos in here:
-      out[pos] = assembler.leaf(by_path[target_specs[pos].path], target_specs[pos], targets[pos])
-    keys = list(needed)
+        split.here.append(pos)
+        split.local.extend(assembler.local_pieces(li, tspec, target))
+    split.needed = list(needed)
+    return split
+
+  def _leaves(self, assembler: Assembler, split: _Split, target_specs: Sequence[LeafSpec],
+              targets: Sequence[Any]) -> tuple[list[Any], int]:
+    """Each leaf cut from the pieces its devices need: those a host lacks
+    (a lost host's shards, held as replicas elsewhere) travel first, in
+    batched JAX reductions of only those pieces, the same on every host."""
+    plan = assembler.plan
+    _faults.point("restore", plan.step)
+    out: list[Any] = [None] * len(target_specs)
+    for pos, li in enumerate(split.leaf):
+      if plan.specs[li].kind is LeafKind.SCALAR:
+        out[pos] = plan.scalars.get(li)
+    for pos in split.here:
+      out[pos] = assembler.leaf(split.leaf[pos], target_specs[pos], targets[pos])
+    keys = split.needed
     nbytes = [plan.copies[k][0].record.nbytes for k in keys]
     sizes = [align(n) for n in nbytes]
     groups = batches(sizes, _exchange.BATCH_BYTES)
@@ -199,9 +211,23 @@ class Distributed:
       exchanged += total.nbytes
       for i, at in zip(group, offsets):
         assembler.adopt(*keys[i], np.array(total[at: at + nbytes[i]]))
-    for pos in moved:
-      out[pos] = assembler.leaf(by_path[target_specs[pos].path], target_specs[pos], targets[pos])
+    for pos in split.moved:
+      out[pos] = assembler.leaf(split.leaf[pos], target_specs[pos], targets[pos])
     return out, exchanged
+
+
+@dataclasses.dataclass
+class _Split:
+  """:meth:`Distributed._split`: each target leaf's position in the plan;
+  the positions cut from every host's own copies (``here``) and those with
+  a piece to move (``moved``); the pieces this host's shards of ``here``
+  are cut from (``local``); the pieces some host lacks, in order."""
+
+  leaf: list[int]
+  here: list[int] = dataclasses.field(default_factory=list)
+  moved: list[int] = dataclasses.field(default_factory=list)
+  local: list[tuple[int, Index]] = dataclasses.field(default_factory=list)
+  needed: list[tuple[int, Index]] = dataclasses.field(default_factory=list)
 
 
 def for_job(host: int, num_hosts: int) -> Solo | Distributed:

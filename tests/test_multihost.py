@@ -221,7 +221,9 @@ def _flip(store, manifest, offset):
 def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_dir):
   """Host 1 is replaced by a machine whose RAM disk holds a store of an
   earlier run (run id 'old'), and host 3's copy of host 1's shards at the
-  newest common step has a flipped byte: the step before it is restored."""
+  newest common step has a flipped byte: the step before it is restored.
+  Host 0's own copy of one of its shards there has a flipped byte too (it
+  is verified as it is copied out, not in place): it is named as well."""
   import dataclasses
   from snapstore._manifest import encode
   seen = {}
@@ -236,6 +238,9 @@ def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_
     newest, seen["expected"] = common[-1], common[-2]
     m3 = held[2][newest]
     _flip(job_store, m3, next(p for p in m3.pieces if p.owner == 1).offset)
+    m0 = held[0][newest]
+    own = max((p for p in m0.pieces if p.owner == 0), key=lambda p: p.nbytes)
+    _flip(job_store, m0, own.offset + own.nbytes // 2)
     stale = host_dir(job_store, "job", 1)
     shutil.copytree(host_dir(job_store, "job", 0), stale, dirs_exist_ok=True)
     for step, m in _manifests(job_store, 0).items():
@@ -247,6 +252,7 @@ def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_
           args=["--hosts-per-domain", "2", "--keep", "3"], between=damage)
   r = check_resumed(job.report, reference, lo=seen["expected"], hi=seen["expected"])
   assert any("checksum mismatch" in n and "host 3" in n for n in r["notes"]), r["notes"]
+  assert any("checksum mismatch" in n and "host 0" in n for n in r["notes"]), r["notes"]
 
 
 # ---------------------------------------------------------------- in place
