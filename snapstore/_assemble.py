@@ -139,8 +139,9 @@ class Assembler:
     held = {s for s in self.plan.stores if self.source.holds(s)}
     plan_copies = self.plan.copies
     keys = [k for k in (plan_copies if keys is None else keys)
-            if k not in self._verified and (copies := plan_copies[k])
-            and (copies[0].store in held or any(c.store in held for c in copies))]
+            if k not in self._verified and any(c.store in held for c in plan_copies[k])]
+    if not keys:  # (nothing held here: no arena taken, the kept one stays)
+      return
     keys.sort(key=lambda k: plan_copies[k][0].record.nbytes, reverse=True)  # big ones first
     # One arena for every piece (the restored arrays adopt parts of it),
     # reused from the last restore when nothing uses it any more (._arena);

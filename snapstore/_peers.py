@@ -167,6 +167,7 @@ class Distributed:
       li = split.leaf[pos]
       spec = plan.specs[li]
       if spec.kind is LeafKind.SCALAR:
+        split.here.append(pos)
         continue
       sharding = (replicated if wants_numpy(spec, tspec, target)
                   else target_sharding(target))
@@ -188,10 +189,7 @@ class Distributed:
     plan = assembler.plan
     _faults.point("restore", plan.step)
     out: list[Any] = [None] * len(target_specs)
-    for pos, li in enumerate(split.leaf):
-      if plan.specs[li].kind is LeafKind.SCALAR:
-        out[pos] = plan.scalars.get(li)
-    for pos in split.here:
+    for pos in split.here:  # (scalars among them)
       out[pos] = assembler.leaf(split.leaf[pos], target_specs[pos], targets[pos])
     keys = split.needed
     nbytes = [plan.copies[k][0].record.nbytes for k in keys]
@@ -219,9 +217,10 @@ class Distributed:
 @dataclasses.dataclass
 class _Split:
   """:meth:`Distributed._split`: each target leaf's position in the plan;
-  the positions cut from every host's own copies (``here``) and those with
-  a piece to move (``moved``); the pieces this host's shards of ``here``
-  are cut from (``local``); the pieces some host lacks, in order."""
+  the positions cut from every host's own copies, scalars too (``here``),
+  and those with a piece to move (``moved``); the pieces this host's shards
+  of ``here`` are cut from (``local``); the pieces some host lacks, in
+  order."""
 
   leaf: list[int]
   here: list[int] = dataclasses.field(default_factory=list)
