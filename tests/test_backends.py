@@ -123,6 +123,31 @@ def test_round_trip_is_bitwise_for_awkward_leaves(kind, store_dir):
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k.store is StoreKind.HOST_FILES],
                          ids=lambda k: k.name)
+def test_the_accelerator_path_stages_every_leaf_in_one_put(kind, store_dir, monkeypatch):
+  """Off CPU, host files read each leaf's ``pinned_host`` copy, all leaves
+  dispatched in one ``device_put`` (CPU devices have ``pinned_host`` memory:
+  the path runs here when told the devices are not CPUs)."""
+  from snapstore._backends.hostfiles import capture
+  monkeypatch.setattr(capture, "_on_cpu", lambda sharding: False)
+  state = awkward_state(jax.devices(), 1)
+  puts = []
+  real_put = jax.device_put
+
+  def put(x, *args, **kw):  # (jax.device_put itself: this test's only puts)
+    puts.append(len(x) if isinstance(x, list) else 1)
+    return real_put(x, *args, **kw)
+  with kind.manager(store_dir) as mgr:
+    monkeypatch.setattr(jax, "device_put", put)
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+    monkeypatch.undo()
+    assert puts == [sum(isinstance(x, jax.Array) for x in jax.tree.leaves(state))]
+    got = mgr.restore(abstract(awkward_state(jax.devices(), 0)))
+  assert_bitwise_equal(host_copy(state), got.state)
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k.store is StoreKind.HOST_FILES],
+                         ids=lambda k: k.name)
 def test_a_committed_manifest_is_what_its_file_decodes_to(kind, store_dir):
   # A store keeps the manifest it commits instead of decoding its file again.
   with kind.manager(store_dir) as mgr:

@@ -136,6 +136,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   middle = len(specs) // 2
   transfers: list[Transfer] = []
   protect: list[tuple[int, jax.Array]] = []
+  arrays = staged(specs, leaves)
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
     if i == middle:
       _faults.point("capture", step)
@@ -145,8 +146,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     if spec.kind is LeafKind.NUMPY:
       _add_numpy(cap, i, leaf, host)
       continue
-    raw = _plain(spec, leaf)
-    arr, on_cpu = _staged(raw)
+    raw, arr, on_cpu = arrays[i]
     mine = set()
     for piece, data in addressable_pieces(i, arr):
       mine.add(piece.index)
@@ -224,13 +224,30 @@ def _on_cpu(sharding: jax.sharding.Sharding) -> bool:
   return all(d.platform == "cpu" for d in sharding.device_set)
 
 
-def _staged(arr: jax.Array) -> tuple[jax.Array, bool]:
-  """(``arr`` staged to ``pinned_host`` memory by an async ``device_put`` on
-  accelerators; whether it is on CPU)."""
-  on_cpu = _on_cpu(arr.sharding)
-  if not on_cpu:
-    arr = jax.device_put(arr, arr.sharding.with_memory_kind("pinned_host"))
-  return arr, on_cpu
+def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any]
+           ) -> dict[int, tuple[jax.Array, jax.Array, bool]]:
+  """leaf position -> (the array leaf as a plain array, the array its pieces
+  are read from, whether it is on CPU), for every array leaf. On
+  accelerators that is a ``pinned_host`` copy, dispatched asynchronously,
+  all leaves in one ``device_put`` (JAX batches the transfers of a list in
+  C++: one call a leaf costs Python per leaf on the training thread, every
+  snapshot). On CPU, the leaf itself (its shards' views are the source)."""
+  out: dict[int, tuple[jax.Array, jax.Array, bool]] = {}
+  moves: list[int] = []
+  for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+    if spec.kind in (LeafKind.SCALAR, LeafKind.NUMPY):
+      continue
+    raw = _plain(spec, leaf)
+    here = _on_cpu(raw.sharding)
+    out[i] = (raw, raw, here)
+    if not here:
+      moves.append(i)
+  if moves:
+    raws = [out[i][0] for i in moves]
+    pinned = jax.device_put(raws, [r.sharding.with_memory_kind("pinned_host") for r in raws])
+    for i, arr in zip(moves, pinned):
+      out[i] = (out[i][0], arr, False)
+  return out
 
 
 def _add_numpy(cap: Capture, leaf_idx: int, leaf: Any, owner: int) -> None:
@@ -379,6 +396,7 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   """
   order = sorted(set(domain_of.values()))
   caps = {d: Capture(list(specs), [], [], [], {}) for d in order}  # only active domains
+  arrays = staged(specs, leaves)
   for i, (spec, leaf) in enumerate(zip(specs, leaves)):
     if i == len(specs) // 2:
       _faults.point("capture", step)
@@ -390,7 +408,7 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       for d, cap in caps.items():
         _add_numpy(cap, i, leaf, d)
       continue
-    arr, on_cpu = _staged(_plain(spec, leaf))
+    _, arr, on_cpu = arrays[i]
     views_at, rows = _domain_rows(i, holder_layout(spec.path, arr, domain_of), tuple(order),
                                   replicas, arr.dtype.itemsize)
     shards = shard_arrays(arr)
