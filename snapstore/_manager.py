@@ -228,8 +228,11 @@ class SnapshotManager:
     timings: dict[str, float] = {}
     target_specs, targets, treedef = flatten(abstract_state)
     local = self.backend.manifests()
+    t = time.perf_counter()
     persistent_steps = [s for s in (self.persistent.committed_steps() if self.persistent
                                     else []) if step is None or s == step]
+    timings["scan_persistent"] = time.perf_counter() - t
+    t = time.perf_counter()
     # Every store's manifests; with them, in the same exchange, one
     # incarnation for everyone from here (a replacement that joined a
     # running job may not know the one the others reached), the newest step
@@ -240,6 +243,7 @@ class SnapshotManager:
         local, (max([self._newest_step] + [m.step for m in local]), self.incarnation,
                 -(persistent_steps[-1] if persistent_steps else -1)))
     persistent_steps = [s for s in persistent_steps if s <= -neg_latest]
+    timings["scan_exchange"] = time.perf_counter() - t
     timings["scan"] = time.perf_counter() - t0
     bad: set[_planner.CopyKey] = set()
     reasons: list[str] = []

@@ -50,7 +50,10 @@ class RestoreResult:
     bytes_read: bytes read per tier (``{"snapshot": n, "persistent": m}``; multi-host
       also ``"exchanged"``: bytes summed between hosts; ``"rebuilt"``: bytes of
       lost pieces rebuilt from parity).
-    timings: seconds per phase (``scan``, ``plan``, ``read``, ``total``...).
+    timings: seconds per phase (``scan``, ``plan``, ``read``, ``total``...);
+      ``scan`` includes ``scan_persistent`` (listing the persistent tier's
+      committed steps) and ``scan_exchange`` (every process's manifests,
+      one exchange; multi-host).
     notes: why fresher candidates were not used.
   """
 

@@ -93,17 +93,23 @@ def _summarize(incs: list[Incarnation], out: Path, kill_step: int, total_steps: 
   r = after["restores"][-1]
   times = {int(k): v for k, v in after["times"].items()}
   kill_t = first.kill_time
+  # Every process restores at once (one exchange opens the restore), so it
+  # starts when the last of them gets there: host 0, first up, otherwise
+  # counts the others' start-up in its own restore call.
+  begun = max(rs[-1]["started"] for f in out.glob(f"inc{last.number}-host*.json")
+              if (rs := [x for x in json.loads(f.read_text())["restores"]
+                         if x["started"] >= kill_t]))
   if in_place:  # one process all along: its marks say when it saw the failure
     failed_at = min(t for n, t in after["phases"] if n.startswith("failed") and t >= kill_t)
     phases = {"detection_s": failed_at - kill_t,
-              "restart_s": r["started"] - failed_at}  # waiting for the replacement
+              "restart_s": begun - failed_at}  # waiting for the replacement
     pre_kill = {s: t for s, t in before["times"].items() if t < kill_t}
   else:
     phases = {"detection_s": first.ended - kill_t,  # the supervisor tears the job down
-              "restart_s": r["started"] - first.ended}  # processes, jax, model
+              "restart_s": begun - first.ended}  # processes, jax, model
     pre_kill = before["times"]
   phases.update({
-      "restore_s": r["ended"] - r["started"],
+      "restore_s": r["ended"] - begun,
       # The first step after the restore carries the warm-up (compiling for
       # the new mesh or process, first transfers); the rest is pure replay.
       "first_step_s": times[r["step"] + 1] - r["ended"],
@@ -123,7 +129,7 @@ def _summarize(incs: list[Incarnation], out: Path, kill_step: int, total_steps: 
       "step_s": _median_step(pre_kill, kill_step),
       "final_digest": after["digests"][str(max(int(k) for k in after["digests"]))],
       "timeline": {"start": first.started, "kill": kill_t,
-                   "restart": r["started"],
+                   "restart": begun,
                    "before": sorted((int(s), t) for s, t in pre_kill.items()),
                    "after": sorted((s, t) for s, t in times.items() if t >= r["ended"])},
   }
