@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -82,6 +83,8 @@ class SnapshotManager:
     self.metrics = SaveMetrics()
     self._drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
     self._arenas = ArenaCache()  # restore memory, reused (._arena)
+    self._prefaulting: threading.Thread | None = None
+    self._prefault_ahead()  # a store that holds a snapshot: a restore may come first
     self._inflight: futures.Future[None] | None = None
     self._inflight_done_at = 0.0
     self.schedule = _interval.schedule_for(self.options.interval, self.options.host_mtbf_s,
@@ -159,12 +162,29 @@ class SnapshotManager:
         _switch.collections_paused(self.options.pause_gc):
       nbytes = self.backend.drain(pending)  # drops the capture's views, inside the pause
     self._arenas.trim()  # the last restore's memory, if the state left it
+    self._prefault_ahead()
     self._inflight_done_at = time.perf_counter()
     self.schedule.on_drain(self._inflight_done_at - t0)
     self.metrics.snapshots_committed += 1
     self.metrics.bytes_snapshotted += nbytes
     self.metrics.drain_seconds = time.perf_counter() - t0
     self.metrics.drain_seconds_total += self.metrics.drain_seconds
+
+  def _prefault_ahead(self) -> None:
+    """Faults in, on a background thread, the host memory a restore of the
+    newest snapshot here copies into (``SnapshotOptions.prefault_restore``;
+    :meth:`ArenaCache.prefault`), unless an arena is kept or being made."""
+    if (not self.options.prefault_restore or self.backend.prefetch_pool is None
+        or self._arenas.kept_bytes
+        or (self._prefaulting is not None and self._prefaulting.is_alive())):
+      return
+    nbytes = _planner.own_bytes(self.backend.manifests())
+    if nbytes:
+      def run() -> None:
+        if self._arenas.prefault(nbytes):
+          self._arenas.trim()  # the kernel may take it back when it needs memory
+      self._prefaulting = threading.Thread(target=run, name="snapstore-prefault", daemon=True)
+      self._prefaulting.start()
 
   def _raise_drain_error(self) -> None:
     f = self._inflight
@@ -354,6 +374,8 @@ class SnapshotManager:
       if self.persistent is not None:
         self.persistent.close()
       self.backend.close()
+      if self._prefaulting is not None:
+        self._prefaulting.join()
       self._arenas.release()
 
   def __enter__(self) -> SnapshotManager:

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 
 from . import errors
-from ._index import Index, full, nbytes as index_nbytes, tiles, volume
+from ._index import Index, align, full, nbytes as index_nbytes, tiles, volume
 from ._layout import LeafKind, LeafSpec, spec_row
 from ._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceRecord
 from ._parity import PARITY_PATH, Layout
@@ -241,6 +241,23 @@ def choose(manifests: Iterable[Manifest], *, step: int | None = None,
     if plan is not None:
       return plan
   return None
+
+
+def own_bytes(manifests: Sequence[Manifest]) -> int:
+  """The bytes a restore of the newest step in ``manifests`` (one process's
+  stores) copies out of them: each piece those stores own, once, page
+  aligned (what :meth:`._assemble.Assembler.prefetch` takes when the
+  target is laid out as saved)."""
+  valid = fence(manifests)
+  if not valid:
+    return 0
+  newest = max(m.step for m in valid)
+  own: dict[tuple[int, Index], int] = {}
+  for m in valid:
+    if m.step == newest:
+      # (the rows: no record object made per piece)
+      own.update(((r[0], r[1]), align(r[3])) for r in m.pieces.rows if r[5] == m.host)
+  return sum(own.values())
 
 
 # ---------------------------------------------------------------- retention

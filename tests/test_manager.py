@@ -107,6 +107,57 @@ def test_restores_share_no_memory_with_a_state_still_alive(trainer, store_dir):
     assert mgr._arenas._lazy  # idle after the snapshot: the kernel may take it
 
 
+def _arenas_made(monkeypatch) -> list[int]:
+  from snapstore import _arena
+  made: list[int] = []
+  fresh = _arena._mapping
+  monkeypatch.setattr(_arena, "_mapping", lambda n: made.append(n) or fresh(n))
+  return made
+
+
+def test_restore_memory_is_faulted_in_ahead_once_a_snapshot_commits(trainer, store_dir,
+                                                                    monkeypatch):
+  """The first restore of a process copies into memory faulted in ahead, on
+  a background thread, after the first snapshot committed (no fresh memory
+  on the recovery's path); the second snapshot makes none."""
+  state = trainer.init_state()
+  made = _arenas_made(monkeypatch)
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as mgr:
+    assert mgr._prefaulting is None  # an empty store: nothing to restore yet
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+    mgr._prefaulting.join()
+    (ahead,) = made
+    own = snapstore._planner.own_bytes(mgr.backend.manifests())
+    shards = {(i, str(sh.index)): sh.data.nbytes  # each distinct shard: a piece
+              for i, x in enumerate(jax.tree.leaves(state)) for sh in x.addressable_shards}
+    assert ahead == own == sum(-(-n // 4096) * 4096 for n in shards.values())
+    mgr.save(2, state)
+    mgr.wait_until_finished()
+    r = mgr.restore(trainer.abstract_state())
+    assert made == [ahead]  # the restore took the memory made ahead
+  assert_bitwise_equal(host_copy(state), r.state)
+
+
+def test_a_manager_on_a_store_with_a_snapshot_faults_restore_memory_in_at_start(
+    trainer, store_dir, monkeypatch):
+  """A restarted process: its manager starts on a store that holds a
+  snapshot, so a restore is coming; its memory is faulted in meanwhile.
+  ``prefault_restore=False``: none until the restore takes it."""
+  state = trainer.init_state()
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr.save(1, state)
+  made = _arenas_made(monkeypatch)
+  with snapstore.SnapshotManager(opts(store_dir, prefault_restore=False)) as mgr:
+    assert mgr._prefaulting is None and made == []
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr._prefaulting.join()
+    assert len(made) == 1
+    r = mgr.restore(trainer.abstract_state())
+    assert len(made) == 1
+  assert_bitwise_equal(host_copy(state), r.state)
+
+
 def test_an_arena_is_reused_only_once_nothing_uses_it():
   """An array that adopted part of an arena keeps it from reuse: the next
   arena is other memory, and writing it leaves the array as it was; once
