@@ -158,6 +158,31 @@ def test_a_manager_on_a_store_with_a_snapshot_faults_restore_memory_in_at_start(
   assert_bitwise_equal(host_copy(state), r.state)
 
 
+def test_a_prefault_runs_in_chunks_through_calls_that_release_the_gil(monkeypatch):
+  """A prefault runs on a background thread while the training loop runs:
+  each chunk goes through libc's madvise by ctypes (which lets go of the
+  GIL; ``mmap.madvise`` does not), and a kernel without the advice gets a
+  write a page instead."""
+  import ctypes
+  import sys
+  from snapstore import _arena
+  if sys.platform == "linux":
+    assert not _arena._MADVISE._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # a CDLL call
+  calls = []
+  monkeypatch.setattr(_arena, "_MADVISE", lambda at, n, advice: calls.append((at, n)) or 0)
+  chunk = _arena.POPULATE_CHUNK
+  cache = _arena.ArenaCache()
+  assert cache.prefault(3 * chunk + 4096)
+  base = calls[0][0]
+  assert [(at - base, n) for at, n in calls] == [(0, chunk), (chunk, chunk),
+                                                 (2 * chunk, chunk), (3 * chunk, 4096)]
+  assert cache.kept_bytes == 3 * chunk + 4096
+  assert not cache.prefault(4096)  # one is kept already
+  cache.release()
+  monkeypatch.setattr(_arena, "_MADVISE", lambda at, n, advice: -1)  # EINVAL: old kernel
+  assert cache.prefault(4 * 4096) and cache.kept_bytes == 4 * 4096
+
+
 def test_an_arena_is_reused_only_once_nothing_uses_it():
   """An array that adopted part of an arena keeps it from reuse: the next
   arena is other memory, and writing it leaves the array as it was; once
