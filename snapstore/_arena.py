@@ -28,6 +28,7 @@ import mmap
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,12 +70,14 @@ def _libc_madvise() -> Any:
 _MADVISE = _libc_madvise() if _POPULATE_WRITE is not None else None
 
 
-def _populate(m: mmap.mmap) -> None:
+def _populate(m: mmap.mmap, stop: Callable[[], bool] = lambda: False) -> None:
   """Faults in every page of ``m``, a chunk at a time, the GIL released
-  (a kernel without MADV_POPULATE_WRITE: one write a page)."""
+  (a kernel without MADV_POPULATE_WRITE: one write a page), until ``stop()``."""
   pages = np.frombuffer(m, np.uint8)
   base = pages.ctypes.data  # page aligned: a mapping
   for at in range(0, pages.size, POPULATE_CHUNK):
+    if stop():
+      return
     n = min(POPULATE_CHUNK, pages.size - at)
     if _MADVISE is None or _MADVISE(base + at, n, _POPULATE_WRITE) != 0:
       pages[at:at + n:mmap.PAGESIZE] = 0
@@ -101,6 +104,7 @@ class ArenaCache:
     self._kept: list[mmap.mmap] = []  # zero or one mapping
     self._lazy = False  # the kept mapping was given MADV_FREE
     self._idle_refs = _baseline()
+    self._wanted = threading.Event()  # a take() waits: a prefault stops where it is
 
   def _idle(self, flush: bool) -> bool:
     if not self._kept:
@@ -118,7 +122,9 @@ class ArenaCache:
     """``nbytes`` of page-aligned memory, private to the caller until every
     array and view of it is gone: the kept arena if it is idle and large
     enough, else a fresh one (then kept instead)."""
+    self._wanted.set()
     with self._lock:
+      self._wanted.clear()
       if self._idle(flush=True) and len(self._kept[0]) >= nbytes:
         m = self._kept[0]  # writing cancels a MADV_FREE: pages not taken stay
       else:
@@ -130,13 +136,15 @@ class ArenaCache:
   def prefault(self, nbytes: int) -> bool:
     """Makes a resident arena of ``nbytes`` the kept one, its pages faulted
     in now (on the calling thread, off a restore's path), unless an arena
-    is kept already (idle or in use). A :meth:`take` meanwhile waits for it.
-    Returns True if it made one."""
+    is kept already (idle or in use). A :meth:`take` meanwhile stops it
+    where it is (the chunk under way) and gets the arena: the restore's own
+    copies fault in the rest, on every copy thread. Returns True if it made
+    one."""
     with self._lock:
       if self._kept:
         return False
       m = _mapping(nbytes)
-      _populate(m)
+      _populate(m, self._wanted.is_set)
       self._kept = [m]
       self._lazy = False
     return True

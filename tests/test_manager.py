@@ -2,6 +2,7 @@
 
 import gc
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +182,33 @@ def test_a_prefault_runs_in_chunks_through_calls_that_release_the_gil(monkeypatc
   cache.release()
   monkeypatch.setattr(_arena, "_MADVISE", lambda at, n, advice: -1)  # EINVAL: old kernel
   assert cache.prefault(4 * 4096) and cache.kept_bytes == 4 * 4096
+
+
+def test_a_restore_does_not_wait_for_a_whole_prefault(monkeypatch):
+  """A take (a restore) that comes while a prefault runs stops it after the
+  chunk under way and gets that arena, however much of it was faulted in."""
+  from snapstore import _arena
+  cache = _arena.ArenaCache()
+  got = {}
+
+  def taker() -> None:
+    got["arena"] = cache.take(4 * _arena.POPULATE_CHUNK)
+  calls = []
+
+  def madvise(at, n, advice):  # the first chunk: a restore arrives meanwhile
+    calls.append(at)
+    if len(calls) == 1:
+      got["thread"] = threading.Thread(target=taker)
+      got["thread"].start()
+      while not cache._wanted.is_set():
+        time.sleep(0.001)
+    return 0
+  monkeypatch.setattr(_arena, "_MADVISE", madvise)
+  made = _arenas_made(monkeypatch)
+  assert cache.prefault(4 * _arena.POPULATE_CHUNK)
+  got["thread"].join()
+  assert len(calls) == 1 and len(made) == 1  # stopped; the same arena taken
+  assert got["arena"].ctypes.data == calls[0]
 
 
 def test_an_arena_is_reused_only_once_nothing_uses_it():
