@@ -151,8 +151,12 @@ class ArenaCache:
 
   def trim(self) -> None:
     """Lets the kernel take the kept arena's pages when it needs memory,
-    if nothing uses them (once per idle period)."""
-    with self._lock:
+    if nothing uses them (once per idle period). Skipped while a prefault
+    or a take holds the arena (a snapshot's drain calls this: it must not
+    wait for a prefault)."""
+    if not self._lock.acquire(blocking=False):
+      return
+    try:
       if self._lazy or not self._idle(flush=False):
         return
       advice = getattr(mmap, "MADV_FREE", getattr(mmap, "MADV_DONTNEED", None))
@@ -162,6 +166,13 @@ class ArenaCache:
         except OSError:
           pass
       self._lazy = True
+    finally:
+      self._lock.release()
+
+  def interrupt(self) -> None:
+    """Stops a prefault under way after its current chunk (it keeps what it
+    made); for a manager closing."""
+    self._wanted.set()
 
   def release(self) -> None:
     """Unmaps the kept arena if nothing uses it (else its users keep it)."""

@@ -175,8 +175,8 @@ class SnapshotManager:
     newest snapshot here copies into (``SnapshotOptions.prefault_restore``;
     :meth:`ArenaCache.prefault`), unless an arena is kept or being made."""
     if (not self.options.prefault_restore or self.backend.prefetch_pool is None
-        or self._arenas.kept_bytes
-        or (self._prefaulting is not None and self._prefaulting.is_alive())):
+        or (self._prefaulting is not None and self._prefaulting.is_alive())
+        or self._arenas.kept_bytes):  # (after: it waits while a prefault runs)
       return
     nbytes = _planner.own_bytes(self.backend.manifests())
     if nbytes:
@@ -375,6 +375,7 @@ class SnapshotManager:
         self.persistent.close()
       self.backend.close()
       if self._prefaulting is not None:
+        self._arenas.interrupt()
         self._prefaulting.join()
       self._arenas.release()
 

@@ -211,6 +211,31 @@ def test_a_restore_does_not_wait_for_a_whole_prefault(monkeypatch):
   assert got["arena"].ctypes.data == calls[0]
 
 
+def test_trimming_and_closing_do_not_wait_for_a_prefault(monkeypatch):
+  """A drain trims the arena after every snapshot and must not wait for a
+  prefault under way (the next save would wait for that drain); closing
+  stops a prefault after the chunk under way."""
+  from snapstore import _arena
+  started, go = threading.Event(), threading.Event()
+  calls = []
+
+  def madvise(at, n, advice):  # a slow chunk: the kernel compacting memory
+    calls.append(at)
+    started.set()
+    go.wait()
+    return 0
+  monkeypatch.setattr(_arena, "_MADVISE", madvise)
+  cache = _arena.ArenaCache()
+  worker = threading.Thread(target=cache.prefault, args=(3 * _arena.POPULATE_CHUNK,))
+  worker.start()
+  started.wait()
+  cache.trim()  # returns at once (else this test hangs: pytest-timeout)
+  cache.interrupt()
+  go.set()
+  worker.join()
+  assert len(calls) == 1 and cache.kept_bytes == 3 * _arena.POPULATE_CHUNK
+
+
 def test_an_arena_is_reused_only_once_nothing_uses_it():
   """An array that adopted part of an arena keeps it from reuse: the next
   arena is other memory, and writing it leaves the array as it was; once
