@@ -50,11 +50,16 @@ def _mapping(nbytes: int) -> mmap.mmap:
 #: (Linux 5.14+; the constant is missing from Python's mmap before 3.13).
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
 
-#: A prefault goes this many bytes at a time: each call releases the GIL
-#: (``mmap.madvise`` holds it: a 1 GiB prefault stopped the training thread
-#: for 0.4-2.5 s, found by red-teaming), and the other threads run between
-#: calls even where the fallback (a write a page, with the GIL) is used.
-POPULATE_CHUNK = 32 << 20
+#: A prefault goes this many bytes at a time (found by red-teaming): each
+#: call releases the GIL (``mmap.madvise`` holds it: a 1 GiB prefault stopped
+#: the training thread for 0.4-2.5 s), the other threads run between calls
+#: even where the fallback (a write a page, with the GIL) is used, and the
+#: kernel holds the process's memory-map lock for one chunk at a time (with
+#: huge pages it may compact memory meanwhile, and any thread that maps or
+#: unmaps memory waits: XLA's allocator does). A loop mapping and touching
+#: 4 MiB buffers, its longest gap during a 1 GiB prefault: 177-248 ms with
+#: 32 MiB chunks, 4-24 ms with 4 MiB ones.
+POPULATE_CHUNK = 4 << 20
 
 
 def _libc_madvise() -> Any:

@@ -178,7 +178,11 @@ class SnapshotManager:
         or (self._prefaulting is not None and self._prefaulting.is_alive())
         or self._arenas.kept_bytes):  # (after: it waits while a prefault runs)
       return
-    nbytes = _planner.own_bytes(self.backend.manifests())
+    try:
+      nbytes = _planner.own_bytes(self.backend.manifests())
+    except Exception as e:  # noqa: BLE001 - an optimization: never fail a save or a start
+      logger.warning("restore memory not faulted in ahead: %r", e)
+      return
     if nbytes:
       def run() -> None:
         if self._arenas.prefault(nbytes):
