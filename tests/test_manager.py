@@ -1,6 +1,7 @@
 """SnapshotManager on one host (8 CPU devices): round trips, donation, resume."""
 
 import gc
+import sys
 import threading
 import time
 
@@ -165,7 +166,6 @@ def test_a_prefault_runs_in_chunks_through_calls_that_release_the_gil(monkeypatc
   GIL; ``mmap.madvise`` does not), and a kernel without the advice gets a
   write a page instead."""
   import ctypes
-  import sys
   from snapstore import _arena
   if sys.platform == "linux":
     assert not _arena._MADVISE._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # a CDLL call
@@ -179,9 +179,34 @@ def test_a_prefault_runs_in_chunks_through_calls_that_release_the_gil(monkeypatc
                                                  (2 * chunk, chunk), (3 * chunk, 4096)]
   assert cache.kept_bytes == 3 * chunk + 4096
   assert not cache.prefault(4096)  # one is kept already
-  cache.release()
-  monkeypatch.setattr(_arena, "_MADVISE", lambda at, n, advice: -1)  # EINVAL: old kernel
-  assert cache.prefault(4 * 4096) and cache.kept_bytes == 4 * 4096
+
+
+def _resident_pages(arr: np.ndarray) -> int:
+  """Pages of ``arr`` in RAM now (mincore(2))."""
+  import ctypes
+  import mmap
+  libc = ctypes.CDLL(None, use_errno=True)
+  count = -(-arr.nbytes // mmap.PAGESIZE)
+  vec = (ctypes.c_ubyte * count)()
+  assert libc.mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(arr.nbytes), vec) == 0
+  return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore and MADV_POPULATE_WRITE: Linux")
+@pytest.mark.parametrize("kernel", ["populate", "old"])
+def test_a_prefault_leaves_every_page_of_the_arena_resident(kernel, monkeypatch):
+  """What a restore then takes is in RAM already: with MADV_POPULATE_WRITE,
+  and on a kernel without it (the advice fails: a write a page). Fresh
+  memory is not (the control)."""
+  import mmap
+  from snapstore import _arena
+  if kernel == "old":
+    monkeypatch.setattr(_arena, "_MADVISE", lambda at, n, advice: -1)  # EINVAL
+  nbytes = 2 * _arena.POPULATE_CHUNK + 3 * mmap.PAGESIZE
+  assert _resident_pages(_arena.host_arena(nbytes)) == 0
+  cache = _arena.ArenaCache()
+  assert cache.prefault(nbytes)
+  assert _resident_pages(cache.take(nbytes)) == nbytes // mmap.PAGESIZE
 
 
 def test_a_restore_does_not_wait_for_a_whole_prefault(monkeypatch):
