@@ -35,6 +35,14 @@ Stored = np.ndarray | jax.Array
 #: thread idle longer).
 PREFETCH_TASK_BYTES = 4 << 20
 
+#: The most bytes one run of small pieces spans (:meth:`PieceSource.fetch_run`):
+#: one copy into the arena, then each piece's crc32c while it is in cache.
+RUN_BYTES = 1 << 20
+
+# What one prefetch fetches: a piece (its key), or a run of small pieces
+# back to back in one slot (key, copy read).
+Item = tuple[int, Index] | list[tuple[tuple[int, Index], Copy]]
+
 
 def what_copy(key: CopyKey, path: str) -> str:
   """A copy's content for messages: its leaf, or its parity block."""
@@ -63,6 +71,8 @@ class PieceSource(Protocol):
   prefetch_pool: futures.Executor | None
   #: its worker threads
   prefetch_workers: int
+  #: whether :meth:`fetch_run` fetches a slot's consecutive small copies at once
+  runs: bool
 
   def holds(self, store: int) -> bool:
     """True if this process can read the copies of store ``store``."""
@@ -75,6 +85,15 @@ class PieceSource(Protocol):
     (from :meth:`Assembler.prefetch`, which runs fetches on a pool): flat
     uint8 memory of the piece's size, private to the caller, for a host
     copy; the copy then runs on the calling thread."""
+
+  def fetch_run(self, plan: StepPlan, copies: Sequence[Copy], out: np.ndarray
+                ) -> list[Stored | None]:
+    """:meth:`fetch` of several small copies at once, where ``runs`` is
+    true: ``copies`` lie back to back in one slot (each at the aligned end
+    of the one before, every one a single checksum chunk) and ``out`` is
+    private flat uint8 memory of their span. Each item: the copy's verified
+    bytes (a view of ``out`` at its place in the span), or None where it
+    failed (:meth:`fetch` of it alone then says why)."""
 
   def check(self, plan: StepPlan, copy: Copy) -> None:
     """Raises :class:`BadCopy` unless ``copy`` matches its checksum (read in
@@ -137,40 +156,93 @@ class Assembler:
     caller's thread alone). A piece with no good copy is left to
     :meth:`piece`, which raises."""
     held = {s for s in self.plan.stores if self.source.holds(s)}
-    plan_copies = self.plan.copies
-    keys = [k for k in (plan_copies if keys is None else keys)
-            if k not in self._verified and any(c.store in held for c in plan_copies[k])]
-    if not keys:  # (nothing held here: no arena taken, the kept one stays)
+    items = self._items(self.plan.copies if keys is None else keys, held)
+    if not items:  # (nothing held here: no arena taken, the kept one stays)
       return
-    keys.sort(key=lambda k: plan_copies[k][0].record.nbytes, reverse=True)  # big ones first
     # One arena for every piece (the restored arrays adopt parts of it),
     # reused from the last restore when nothing uses it any more (._arena);
     # fresh, it is first touched by the copy that fills it, on every core
     # (per-piece buffers took 40-400 ms for 256 MB, a fresh arena 44-73).
-    # Small pieces share a task (its Python costs more than copying 64 KiB).
-    sizes = [plan_copies[k][0].record.nbytes for k in keys]
-    total = sum(align(n) for n in sizes)
+    total = sum(align(n) for _, n in items)
     arena = self.arenas.take(total) if self.arenas is not None else host_arena(total)
     task_bytes = max(PREFETCH_TASK_BYTES, -(-total // (2 * max(workers, 1))))
-    tasks: list[list[tuple[tuple[int, Index], np.ndarray]]] = [[]]
+    tasks: list[list[tuple[Item, np.ndarray]]] = [[]]
     size = at = 0
-    for k, n in zip(keys, sizes):
+    for item, n in items:
       if size >= task_bytes:
         tasks.append([])
         size = 0
-      tasks[-1].append((k, arena[at:at + n]))
+      tasks[-1].append((item, arena[at:at + n]))
       at += align(n)
       size += n
-    fetch = lambda task: [self._first_good(k, None, out) for k, out in task]  # noqa: E731
-    # Tasks of small pieces run here, while the pool copies the big ones
-    # (see ``_checksum.SMALL_BYTES``).
-    small = [t for t in tasks if sum(out.nbytes for _, out in t) < SMALL_BYTES * len(t)]
-    big = [t for t in tasks if sum(out.nbytes for _, out in t) >= SMALL_BYTES * len(t)]
-    pending = pool.map(fetch, big)
-    done = [(task, fetch(task)) for task in small]
-    for task, got in [*done, *zip(big, pending)]:
-      for (key, _), one in zip(task, got):
+    fetch = lambda task: [got for item, out in task  # noqa: E731
+                          for got in self._fetch_item(item, out)]
+    # Tasks of small pieces one at a time run here, while the pool copies
+    # the big ones and the runs (see ``_checksum.SMALL_BYTES``).
+    def small(task: list[tuple[Item, np.ndarray]]) -> bool:
+      return (all(not isinstance(item, list) for item, _ in task)
+              and sum(out.nbytes for _, out in task) < SMALL_BYTES * len(task))
+    pending = pool.map(fetch, [t for t in tasks if not small(t)])
+    done = [fetch(t) for t in tasks if small(t)]
+    for got in [*done, *pending]:
+      for key, one in got:
         self._keep(key, *one)
+
+  def _items(self, keys: Iterable[tuple[int, Index]], held: set[int]
+             ) -> list[tuple[Item, int]]:
+    """(what one fetch gets, its bytes) for the pieces of ``keys`` not yet
+    verified with a copy held here: a piece alone (its key), big ones
+    first, or a run of small pieces back to back in one slot (where
+    ``source.runs``), which reads each piece's first usable copy."""
+    plan_copies, step, bad, verified = self.plan.copies, self.plan.step, self.bad, self._verified
+    small = min(SMALL_BYTES, self.plan.chunk_bytes + 1) if self.source.runs else 0
+    items: list[tuple[Item, int]] = []
+    by_slot: dict[tuple[int, int], list[tuple[int, tuple[int, Index], Copy]]] = {}
+    for k in keys:  # (per piece: a loop and a few lookups; thousands of pieces)
+      if k in verified:
+        continue
+      copies = plan_copies[k]
+      for c in copies:
+        if c.store in held and not (bad and c.key(step) in bad):
+          break
+      else:
+        if any(c.store in held for c in copies):  # only bad ones: fetch says so
+          items.append((k, copies[0].record.nbytes))
+        continue
+      n = c.record.nbytes
+      if n < small:
+        by_slot.setdefault((c.store, c.slot), []).append((c.record.offset, k, c))
+      else:
+        items.append((k, n))
+    items.sort(key=lambda it: it[1], reverse=True)
+    for pieces in by_slot.values():
+      pieces.sort(key=lambda p: p[0])
+      run: list[tuple[tuple[int, Index], Copy]] = []
+      start = end = 0
+      for off, k, c in pieces:
+        if run and (off != align(end) or off + c.record.nbytes - start > RUN_BYTES):
+          items.append((run, end - start))
+          run = []
+        if not run:
+          start = off
+        run.append((k, c))
+        end = off + c.record.nbytes
+      if run:
+        items.append((run, end - start))
+    return items
+
+  def _fetch_item(self, item: Item, out: np.ndarray
+                  ) -> list[tuple[tuple[int, Index], tuple[Stored | None, list[BadCopy], int]]]:
+    """(key, :meth:`_first_good` of it) of each piece of ``item``, into ``out``."""
+    if not isinstance(item, list):
+      return [(item, self._first_good(item, None, out))]
+    copies = [c for _, c in item]
+    got = self.source.fetch_run(self.plan, copies, out)
+    start = copies[0].record.offset
+    return [(k, (g, [], c.record.nbytes) if g is not None else
+             self._first_good(k, None, out[c.record.offset - start:
+                                           c.record.offset - start + c.record.nbytes]))
+            for (k, c), g in zip(item, got)]
 
   def verified(self, leaf: int, index: Index) -> bool:
     """True once a copy of piece (leaf, index) was verified and kept."""
@@ -270,9 +342,30 @@ class Assembler:
     spec = self.plan.specs[leaf]
     if spec.kind is LeafKind.SCALAR:
       return self.plan.scalars.get(leaf)
+    placed = self._placed(leaf, spec, target_spec, target)
+    if placed is not None:
+      return placed
     return build_leaf(spec, target_spec, target, lambda idx, dev: self.region(leaf, idx, dev),
                       fast=lambda sharding, wanted: self.source.place_leaf(
                           self, leaf, sharding, wanted))
+
+  def _placed(self, leaf: int, spec: LeafSpec, target_spec: LeafSpec, target: Any
+              ) -> jax.Array | None:
+    """The leaf in one batched put where every shard it wants is a verified
+    host piece (the usual case after :meth:`prefetch`: no region is cut),
+    else None (:func:`build_leaf` then)."""
+    if wants_numpy(spec, target_spec, target):
+      return None
+    sharding = target_sharding(target)
+    if sharding.memory_kind not in (None, "device"):
+      return None
+    wanted = _wanted(sharding, tuple(spec.shape))
+    got = self._verified
+    bufs = [got.get((leaf, idx)) for _, idx in wanted]
+    if not all(type(b) is np.ndarray for b in bufs):
+      return None
+    arr = _place_host(spec, sharding, wanted, bufs)  # (they are private: adopted)
+    return jax.random.wrap_key_data(arr, impl=spec.key_impl) if spec.kind is LeafKind.KEY else arr
 
   def tree(self, target_specs: Sequence[LeafSpec], targets: Sequence[Any]) -> list[Any]:
     by_path = {s.path: i for i, s in enumerate(self.plan.specs)}

@@ -170,6 +170,20 @@ def copy_verified(src: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key
   return out if got == tuple(crcs) else None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same pieces every restore
+def first_seed(path: str, index: Sequence[Sequence[int]]) -> int:
+  """:func:`chunk_seed` of chunk 0 of piece (``path``, ``index``): a
+  one-chunk piece's whole seed, in one lookup."""
+  return chunk_seed(piece_key(path, index), 0)
+
+
+def one_chunk_matches(part: np.ndarray, crc: int, seed: int) -> bool:
+  """True if ``part`` (flat uint8, one chunk) has crc32c ``crc`` from
+  ``seed``. The GIL stays held: for a small part, handing it to another
+  thread and back costs more than the crc (which then runs at ~20 GB/s)."""
+  return crc32c.crc32c(part, seed, 0) == crc
+
+
 def crc_matches(buf: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key: bytes,
                 pool: futures.Executor | None = None) -> bool:
   """True if every chunk of ``buf`` matches its recorded crc32c."""

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -32,8 +32,7 @@ CopyKey = tuple[int, int, int, Index]
 REBUILT = -1
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Copy:
+class Copy(NamedTuple):
   """One stored copy of one piece: which store (a process's host store, or
   one failure domain's store on a single controller), which slot, where."""
 
@@ -148,10 +147,10 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
     # from the rows (offset, nbytes): no record made twice per piece
     slot_bytes = max([r[2] + r[3] for r in m.pieces.rows] +
                      [r.piece.offset + r.piece.nbytes for r in m.parity], default=0)
-    for p in m.pieces:
-      c = Copy(m.host, m.slot, p, slot_bytes)
-      if not bad or c.key(step) not in bad:
-        copies[(p.leaf, p.index)].append(c)
+    host, slot = m.host, m.slot
+    for p in m.pieces:  # (one pass, no call but the records': thousands of pieces)
+      if not bad or (host, step, p.leaf, p.index) not in bad:
+        copies[(p.leaf, p.index)].append(Copy(host, slot, p, slot_bytes))
     for r in m.parity:
       c = Copy(m.host, m.slot, r.piece, slot_bytes)
       if c.key(step) not in bad:

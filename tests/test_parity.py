@@ -129,13 +129,13 @@ def test_a_parity_record_survives_the_manifest_round_trip():
     lambda r: dataclasses.replace(r, layout=r.layout[:3]),        # a member without layout
     lambda r: dataclasses.replace(r, layout=((((0, ((0, 99), (0, 2))),)),) + r.layout[1:]),
     lambda r: dataclasses.replace(r, layout=((((3, ((0, 4), (0, 2))),)),) + r.layout[1:]),
-    lambda r: dataclasses.replace(r, piece=dataclasses.replace(r.piece, leaf=0)),
-    lambda r: dataclasses.replace(r, length=1 << 40, piece=dataclasses.replace(
-        r.piece, nbytes=(1 << 40) // 3)),                          # a length no member makes
+    lambda r: dataclasses.replace(r, piece=r.piece._replace(leaf=0)),
+    lambda r: dataclasses.replace(r, length=1 << 40, piece=r.piece._replace(
+        nbytes=(1 << 40) // 3)),                          # a length no member makes
     lambda r: dataclasses.replace(                                 # members of unequal sizes
         r, layout=(r.layout[0] + (((0, ((12, 16), (0, 2)))),),) + r.layout[1:]),
     lambda r: dataclasses.replace(
-        r, piece=dataclasses.replace(r.piece, kind=ChecksumKind.DEVICE_SUM)),
+        r, piece=r.piece._replace(kind=ChecksumKind.DEVICE_SUM)),
 ])
 def test_a_malformed_parity_record_is_corruption(change):
   m = _manifests()[0]
@@ -163,7 +163,7 @@ def test_the_planner_rebuilds_one_lost_member_and_names_the_group_when_two_are_l
   # Two stores claim one block: every host (whichever it prefers) refuses
   # the stripe alike, or they would run different collectives.
   twin = dataclasses.replace(ms[3], parity=(dataclasses.replace(
-      ms[3].parity[0], piece=dataclasses.replace(ms[3].parity[0].piece, index=((7, 2),))),))
+      ms[3].parity[0], piece=ms[3].parity[0].piece._replace(index=((7, 2),))),))
   for prefer in (0, 2, 3):
     reasons = []
     assert _planner.choose([ms[0], ms[2], twin], prefer_store=prefer, reasons=reasons) is None
@@ -301,10 +301,10 @@ def test_inspect_verifies_parity_blocks_and_says_what_restore_would_rebuild(stor
     out = store.slot_buffer(slot)
     out[:32] = bufs[h][:32]
     out[4096:4096 + block.nbytes] = block.view(np.uint8)
-    piece = dataclasses.replace(m.pieces[0], checksum=crc_chunks(
+    piece = m.pieces[0]._replace(checksum=crc_chunks(
         bufs[h][:32], chunk_bytes=m.chunk_bytes, key=piece_key("w", m.pieces[0].index)))
     rec = m.parity[0]
-    rec = dataclasses.replace(rec, piece=dataclasses.replace(rec.piece, checksum=crc_chunks(
+    rec = dataclasses.replace(rec, piece=rec.piece._replace(checksum=crc_chunks(
         block, chunk_bytes=m.chunk_bytes, key=piece_key(_parity.PARITY_PATH, rec.piece.index))))
     store.commit(dataclasses.replace(m, slot=slot, pieces=(piece,), parity=(rec,)))
   shutil.rmtree(host_dir(store_dir, "r", 1))

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import ChecksumKind, copy_verified, crc_matches, piece_key
+from ..._checksum import (ChecksumKind, copy_verified, crc_matches, first_seed,
+                          one_chunk_matches, piece_key)
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
 from ..._manifest import Manifest, piece_row, split_parity
@@ -51,6 +52,7 @@ class HostFilesBackend(DomainStores):
   domain on a single controller)."""
 
   kind = StoreKind.HOST_FILES
+  runs = True  # a slot's consecutive pieces are fetched in one copy (fetch_run)
 
   def __init__(self, options: SnapshotOptions, *, host: int, num_hosts: int,
                slices: Mapping[int, Sequence[jax.Device]] | None,
@@ -136,13 +138,13 @@ class HostFilesBackend(DomainStores):
     return nbytes
 
   # --------------------------------------------------------------- restore
-  def _read(self, plan: StepPlan, copy: Copy) -> np.ndarray:
-    """The bytes of ``copy``: its slot is opened and its length checked once
-    per plan (not once per piece: a state has thousands)."""
+  def _slot(self, plan: StepPlan, copy: Copy) -> np.ndarray:
+    """The bytes of ``copy``'s slot: opened and its length checked once per
+    plan (not once per piece: a state has thousands)."""
     if self._views_plan is plan:  # the usual case: no lock (dict reads are atomic)
       buf = self._views.get((copy.store, copy.slot))
       if buf is not None and buf.nbytes >= copy.slot_bytes:
-        return buf[copy.record.offset: copy.record.offset + copy.record.nbytes]
+        return buf
     with self._views_lock:
       if self._views_plan is not plan:
         self._views = {}  # before the plan: a reader without the lock that
@@ -155,7 +157,12 @@ class HostFilesBackend(DomainStores):
           raise BadCopy(copy.key(plan.step), plan.path_and_dtype(copy.record)[0],
                         why=f"unreadable ({e})") from e
         self._views[(copy.store, copy.slot)] = buf
-    return buf[copy.record.offset: copy.record.offset + copy.record.nbytes]
+    return buf
+
+  def _read(self, plan: StepPlan, copy: Copy) -> np.ndarray:
+    """The bytes of ``copy``."""
+    rec = copy.record
+    return self._slot(plan, copy)[rec.offset: rec.offset + rec.nbytes]
 
   def check(self, plan: StepPlan, copy: Copy) -> None:
     rec = copy.record
@@ -181,6 +188,39 @@ class HostFilesBackend(DomainStores):
     if got is None:
       raise BadCopy(copy.key(plan.step), path)
     return got.view(dtype) if rec.leaf < 0 else got.view(dtype).reshape(shape_of(rec.index))
+
+  def fetch_run(self, plan: StepPlan, copies: Sequence[Copy], out: np.ndarray
+                ) -> list[Any]:
+    """Consecutive copies of one slot (see :meth:`.._assemble.PieceSource.fetch_run`):
+    their span in one copy into ``out``, then each piece's crc32c on it
+    while it is hot in cache."""
+    first, last = copies[0], copies[-1]
+    start = first.record.offset
+    try:
+      span = self._slot(plan, first)[start: last.record.offset + last.record.nbytes]
+    except BadCopy:  # each copy alone then says why
+      return [None] * len(copies)
+    if span.nbytes != out.nbytes:
+      return [None] * len(copies)
+    np.copyto(out, span)
+    del span
+    got: list[Any] = []
+    leaf = None
+    for c in copies:  # (per piece: a slice, a crc32c and a view; thousands of pieces)
+      rec = c.record
+      if rec.leaf != leaf:
+        leaf = rec.leaf
+        path, dtype = plan.path_and_dtype(rec)
+      part = out[rec.offset - start: rec.offset - start + rec.nbytes]
+      if (rec.kind is not ChecksumKind.CRC32C or len(rec.checksum) != 1
+          or rec.nbytes > plan.chunk_bytes
+          or not one_chunk_matches(part, rec.checksum[0], first_seed(path, rec.index))):
+        got.append(None)
+      elif rec.leaf < 0:
+        got.append(part.view(dtype))
+      else:
+        got.append(part.view(dtype).reshape(shape_of(rec.index)))
+    return got
 
   def place_leaf(self, assembler: Assembler, leaf: int, sharding: jax.sharding.Sharding,
                  wanted: Sequence[tuple[jax.Device, Index]]) -> None:

@@ -59,6 +59,7 @@ class PinnedHostBackend(DomainStores):
   """``pinned_host`` arrays per failure domain, held by the controller."""
 
   kind = StoreKind.PINNED_HOST
+  runs = False  # pieces are arrays of their own, not bytes of one slot
 
   def __init__(self, options: SnapshotOptions, *,
                slices: Mapping[int, Sequence[jax.Device]], pool: futures.Executor):
@@ -156,6 +157,10 @@ class PinnedHostBackend(DomainStores):
     if not ok:
       raise BadCopy(copy.key(plan.step), path, holder=holder)
     return got
+
+  def fetch_run(self, plan: StepPlan, copies: Sequence[Copy], out: np.ndarray
+                ) -> list[Stored | None]:
+    raise NotImplementedError("pinned_host copies are fetched one by one (runs is False)")
 
   def check(self, plan: StepPlan, copy: Copy) -> None:
     self.fetch(plan, copy, None)  # the controller reads pinned copies by moving them
