@@ -177,11 +177,11 @@ def first_seed(path: str, index: Sequence[Sequence[int]]) -> int:
   return chunk_seed(piece_key(path, index), 0)
 
 
-def one_chunk_matches(part: np.ndarray, crc: int, seed: int) -> bool:
-  """True if ``part`` (flat uint8, one chunk) has crc32c ``crc`` from
+def one_chunk_crc(part: np.ndarray, seed: int) -> int:
+  """crc32c of ``part`` (flat uint8, a small piece's one chunk) from
   ``seed``. The GIL stays held: for a small part, handing it to another
-  thread and back costs more than the crc (which then runs at ~20 GB/s)."""
-  return crc32c.crc32c(part, seed, 0) == crc
+  thread and back costs more than the crc (which runs at ~20 GB/s)."""
+  return crc32c.crc32c(part, seed, 0)
 
 
 def crc_matches(buf: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key: bytes,

@@ -270,15 +270,15 @@ def check_compatible(saved: Sequence[LeafSpec], target: Sequence[LeafSpec],
 
 @functools.lru_cache(maxsize=4096)
 def _piece_plan(leaf_idx: int, sharding: jax.sharding.Sharding, shape: tuple[int, ...],
-                itemsize: int) -> tuple[tuple[int, Piece], ...]:
-  """(device id, piece) for one device per distinct index, lowest id first."""
+                itemsize: int) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
+  """(device ids, pieces): one device per distinct index, lowest id first."""
   out: dict[Index, tuple[int, Piece]] = {}
   idx_map = sharding.addressable_devices_indices_map(shape)
   for device in sorted(idx_map, key=lambda d: d.id):
     idx = _index.normalize(idx_map[device], shape)
     if idx not in out:
       out[idx] = (device.id, Piece(leaf_idx, idx, _index.nbytes(idx, itemsize)))
-  return tuple(out.values())
+  return tuple(d for d, _ in out.values()), tuple(p for _, p in out.values())
 
 
 _POSITIONS: dict[jax.sharding.Sharding, dict[int, int]] = {}
@@ -304,18 +304,25 @@ def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.A
   Replicated shards on this host appear once. For a typed key leaf pass
   ``jax.random.key_data(leaf)``.
   """
-  plan = _piece_plan(leaf_idx, arr.sharding, tuple(arr.shape), np.dtype(arr.dtype).itemsize)
+  pieces, data = addressable_data(leaf_idx, arr)
+  return list(zip(pieces, data))
+
+
+def addressable_data(leaf_idx: int, arr: jax.Array) -> tuple[tuple[Piece, ...], list[jax.Array]]:
+  """:func:`addressable_pieces` as (pieces, their single-device data): the
+  pieces are the same tuple for every array of one layout (a save of a
+  state of thousands of shards extends its lists with them at once)."""
+  ids, pieces = _piece_plan(leaf_idx, arr.sharding, tuple(arr.shape),
+                            np.dtype(arr.dtype).itemsize)
   if arr.is_fully_replicated:  # one device's copy for every position: by device
-    data = {s.device.id: s.data for s in arr.addressable_shards}
-    return [(piece, data[dev]) for dev, piece in plan]
+    by_id = {s.device.id: s.data for s in arr.addressable_shards}
+    return pieces, [by_id[dev] for dev in ids]
   at = positions(arr)  # by position: no Shard object per device (see positions)
-  out = []
-  for dev, piece in plan:
-    data = arr.addressable_data(at[dev])
-    if next(iter(data.devices())).id != dev:  # checked, not trusted: by device then
-      data = next(s.data for s in arr.addressable_shards if s.device.id == dev)
-    out.append((piece, data))
-  return out
+  data = [arr.addressable_data(at[dev]) for dev in ids]
+  for k, (dev, x) in enumerate(zip(ids, data)):
+    if next(iter(x.devices())).id != dev:  # checked, not trusted: by device then
+      data[k] = next(s.data for s in arr.addressable_shards if s.device.id == dev)
+  return pieces, data
 
 
 def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:

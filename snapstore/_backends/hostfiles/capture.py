@@ -27,9 +27,11 @@ import jax
 import numpy as np
 
 from ... import _faults, _group, _parity
-from ..._checksum import SMALL_BYTES, chunk_seeds, copy_crc, piece_key
+from ..._checksum import (CACHE_BYTES, chunk_seeds, copy_crc, first_seed, one_chunk_crc,
+                          piece_key)
 from ..._index import Index, align, nbytes as index_nbytes, normalize
-from ..._layout import LeafKind, LeafSpec, Piece, addressable_pieces, batches, piece_of
+from ..._layout import (LeafKind, LeafSpec, Piece, addressable_data, addressable_pieces,
+                         batches, piece_of)
 from ..._placement import (HolderLayout, holder_layout, owners, replica_shardings, ring_keepers,
                            ring_permutable, ring_permute, shard_arrays)
 
@@ -147,12 +149,15 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       _add_numpy(cap, i, leaf, host)
       continue
     raw, arr, on_cpu = arrays[i]
-    mine = set()
-    for piece, data in addressable_pieces(i, arr):
-      mine.add(piece.index)
-      _add(cap, piece, data, host, pin_view=on_cpu)
+    pieces, data = addressable_data(i, arr)
+    cap.pieces.extend(pieces)
+    cap.owners.extend([host] * len(pieces))
+    # On CPU a view of each shard, which blocks until the step computed it
+    # (and pins its buffer: see the module doc); else the pinned_host copy.
+    cap.sources.extend(list(map(np.asarray, data)) if on_cpu else data)
     if domains is None or replicas == 0:
       continue
+    mine = {p.index for p in pieces}
     shardings = replica_shardings(arr.sharding, tuple(arr.shape), domains, replicas)
     if shardings and stripes is not None and _parity.evenly_sharded(stripes, raw):
       protect.append((i, raw))  # in device memory (``arr`` may be its pinned_host copy)
@@ -263,16 +268,8 @@ def _add_replica(cap: Capture, t: Transfer, piece: Piece, data: jax.Array) -> No
     t.mine.add(piece.index)
     # A received replica is a fresh buffer that no step donates: the drain
     # thread waits for the transfer, not the training loop.
-    _add(cap, piece, data, t.owner_of[piece.index], pin_view=False)
-
-
-def _add(cap: Capture, piece: Piece, data: jax.Array, owner: int, pin_view: bool) -> None:
-  cap.pieces.append(piece)
-  cap.owners.append(owner)
-  if pin_view:
-    view = np.asarray(data)  # blocks until the step computed it.
-    cap.sources.append(view)
-  else:
+    cap.pieces.append(piece)
+    cap.owners.append(t.owner_of[piece.index])
     cap.sources.append(data)
 
 
@@ -282,6 +279,12 @@ def layout_offsets(pieces: Sequence[Piece]) -> list[int]:
     offsets.append(off)
     off += align(p.nbytes)
   return offsets
+
+
+#: Small pieces (one chunk, at most this many bytes) are copied and checked
+#: in tasks of about this many bytes (their Python, not their bytes, is the
+#: cost: fewer tasks hand off less between threads).
+SMALL_TASK_BYTES = 4 << 20
 
 
 def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
@@ -295,37 +298,53 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
 
   # (source bytes, at, start, end, seed, twin places)
   Chunk = tuple[np.ndarray, int, int, int, int, Sequence[tuple[np.ndarray, int]]]
+  # a small piece without twins (most pieces of a many-leaves state):
+  # (source bytes, at, seed)
+  Small = tuple[np.ndarray, int, int]
 
   def copy_chunks(batch: list[Chunk]) -> list[int]:
     return [copy_crc(dst[at + a: at + b], src if b - a == src.nbytes else src[a:b], seed,
                      [buf[t + a: t + b] for buf, t in more] if more else ())
             for src, at, a, b, seed, more in batch]
 
+  def copy_small(batch: list[Small]) -> list[int]:
+    out = []
+    for src, at, seed in batch:  # (per piece: a slice, a copy and a crc32c)
+      part = dst[at:at + src.nbytes]
+      np.copyto(part, src)
+      out.append(one_chunk_crc(part, seed))
+    return out
+
   chunks: list[Chunk] = []
-  per_piece: list[int] = []  # chunks of each piece, in order
+  per_piece: list[tuple[int, int]] = []  # (which piece, its chunks) of each big piece
+  smalls: list[Small] = []
+  small_at: list[int] = []  # which piece each small one is
   rows: dict[int, np.ndarray] = {}  # id(row) -> its bytes (the drain waits for the move)
+  specs = cap.specs
+  limit = min(CACHE_BYTES, chunk_bytes)
   for j, (source, piece, at) in enumerate(zip(cap.sources, cap.pieces, offsets)):
     more = twins[j] if twins is not None else ()
-    if isinstance(source, Packed):
+    if type(source) is np.ndarray and source.flags.c_contiguous:  # a view (CPU)
+      src = source.reshape(-1).view(np.uint8)
+    elif isinstance(source, Packed):
       row = rows.get(id(source.row))
       if row is None:
         row = rows[id(source.row)] = np.asarray(source.row)
       src = row[source.start:source.start + piece.nbytes]
     else:
       src = _bytes_of(source)
-    if src.nbytes != piece.nbytes:
-      raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, "
-                       f"expected {piece.nbytes}")
-    path = (_parity.PARITY_PATH if piece.leaf == _parity.PARITY_LEAF
-            else cap.specs[piece.leaf].path)
-    plan = _chunk_plan(path, piece.index, piece.nbytes, chunk_bytes)
-    if len(plan) == 1:  # most pieces of a many-leaves state: no generator
-      a, b, seed = plan[0]
-      chunks.append((src, at, a, b, seed, more))
-    else:
-      chunks.extend([(src, at, a, b, seed, more) for a, b, seed in plan])
-    per_piece.append(len(plan))
-  # Small pieces travel together: one task per ~chunk_bytes, not one per piece.
+    n = piece.nbytes
+    if src.nbytes != n:
+      raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, expected {n}")
+    path = _parity.PARITY_PATH if piece.leaf == _parity.PARITY_LEAF else specs[piece.leaf].path
+    if n <= limit and not more:
+      smalls.append((src, at, first_seed(path, piece.index)))
+      small_at.append(j)
+      continue
+    plan = _chunk_plan(path, piece.index, n, chunk_bytes)
+    chunks.extend([(src, at, a, b, seed, more) for a, b, seed in plan])
+    per_piece.append((j, len(plan)))
+  # Pieces travel together: one task per ~chunk_bytes, not one per piece.
   batches: list[list[Chunk]] = [[]]
   size = 0
   for c in chunks:
@@ -334,17 +353,30 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
       size = 0
     batches[-1].append(c)
     size += (c[3] - c[2]) * (1 + len(c[5]))  # twins are written too
-  # A batch of many small pieces runs on this thread while the pool copies
-  # the big ones: its Python, not its bytes, is the cost (two threads
-  # contending for the GIL gain nothing there).
-  batches = [b for b in batches if b]
-  running = [None if sum((c[3] - c[2]) * (1 + len(c[5])) for c in b) < SMALL_BYTES * len(b)
-             else pool.submit(copy_chunks, b) for b in batches]
-  here = {i: copy_chunks(b) for i, b in enumerate(batches) if running[i] is None}
-  flat = [crc for i, f in enumerate(running) for crc in (here[i] if f is None else f.result())]
-  crcs, at = [], 0
-  for n in per_piece:
-    crcs.append(tuple(flat[at:at + n]))
+  running = [pool.submit(copy_chunks, b) for b in batches if b]
+  # Small pieces: half their tasks on the pool, half on this thread (the
+  # crc32c of a small piece holds the GIL, so two threads overlap one's
+  # copies with the other's Python).
+  tasks: list[list[Small]] = [[]]
+  size = 0
+  for sm in smalls:
+    if size >= SMALL_TASK_BYTES:
+      tasks.append([])
+      size = 0
+    tasks[-1].append(sm)
+    size += sm[0].nbytes
+  there = [pool.submit(copy_small, t) for t in tasks[1::2]]
+  here = [copy_small(t) for t in tasks[0::2]]
+  small_crcs: list[int] = []
+  for i in range(len(tasks)):
+    small_crcs.extend(here[i // 2] if i % 2 == 0 else there[i // 2].result())
+  flat = [crc for f in running for crc in f.result()]
+  crcs: list[tuple[int, ...]] = [()] * len(cap.pieces)
+  for j, crc in zip(small_at, small_crcs):
+    crcs[j] = (crc,)
+  at = 0
+  for j, n in per_piece:
+    crcs[j] = tuple(flat[at:at + n])
     at += n
   cap.release()
   return crcs
