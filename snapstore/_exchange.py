@@ -147,9 +147,19 @@ def sum_bytes(contribution: np.ndarray) -> np.ndarray:
   return _sum(contribution.astype(np.uint8, copy=False))
 
 
+def bucket(n: int) -> int:
+  """``n`` rounded up to one of 8 sizes per power of two (at most 12.5%
+  more): the all-reduce is compiled once per size, and inventories and
+  batches change size with every step."""
+  if n <= 4096:
+    return 4096
+  step = 1 << (n.bit_length() - 4)
+  return -(-n // step) * step
+
+
 def _sum(contribution: np.ndarray) -> np.ndarray:
   mesh = Mesh(np.array(_group.devices()), (_AXIS,))
-  size = max(contribution.size, 1)
+  size = bucket(contribution.size)
   mine = np.zeros((1, size), contribution.dtype)
   mine[0, :contribution.size] = contribution
   zeros = np.zeros_like(mine)

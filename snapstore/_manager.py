@@ -290,6 +290,7 @@ class SnapshotManager:
       if got.leaves is None:
         continue
       timings["read"] = time.perf_counter() - t
+      timings.update(got.timings)
       timings["total"] = time.perf_counter() - t0
       read = {"snapshot": assembler.bytes_read}
       if self._peers.multi_host:

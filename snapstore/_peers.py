@@ -11,6 +11,7 @@ processes call it in the same order.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,11 +58,15 @@ def _flat(x: Any) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Assembled:
   """One attempt at a step: the leaves (None if a copy it needed was bad),
-  the bad copies found (why, per copy), and the bytes moved between hosts."""
+  the bad copies found (why, per copy), the bytes moved between hosts, and
+  seconds per part of ``read`` (``read_verify``: copies read and checked;
+  ``read_agree``: the hosts agreeing on bad copies; ``read_place``: pieces
+  moved or rebuilt and the leaves built)."""
 
   leaves: list[Any] | None
   bad: dict[CopyKey, str]
   bytes_exchanged: int = 0
+  timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Solo:
@@ -80,6 +85,8 @@ class Solo:
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
     _faults.point("restore", assembler.plan.step)
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
     try:
       # every store is here: the shares are the sum.
       _rebuild(assembler, lambda leaf, idx: _flat(assembler.piece(leaf, idx)),
@@ -87,11 +94,14 @@ class Solo:
       source = assembler.source
       if source.prefetch_pool is not None:
         assembler.prefetch(source.prefetch_pool, source.prefetch_workers)
+      timings["read_verify"] = time.perf_counter() - t
+      t = time.perf_counter()
       leaves = assembler.tree(target_specs, targets)
+      timings["read_place"] = time.perf_counter() - t
     except BadCopy as e:
       assembler.bad.setdefault(e.key, e)
       leaves = None
-    return Assembled(leaves, {k: str(e) for k, e in assembler.bad.items()})
+    return Assembled(leaves, {k: str(e) for k, e in assembler.bad.items()}, timings=timings)
 
 
 class Distributed:
@@ -114,32 +124,50 @@ class Distributed:
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
-    """Verifies every copy this host holds, agrees with the others on the
-    bad ones (a retry then plans without them), else builds the leaves.
-    The pieces this host's own shards are cut from are verified as they are
-    copied out (one pass over them: :meth:`Assembler.prefetch`), every other
-    copy it holds in place (most of them it will not use)."""
+    """Verifies every copy this host will read, agrees with the others on
+    the bad ones (a retry then plans without them), else builds the leaves.
+    The copies it reads: the pieces its own shards are cut from, and those
+    it is the agreed source of for another host (a lost host's shards) or
+    for a parity rebuild; each is verified as it is copied out, once
+    (:meth:`Assembler.prefetch`), before any of them moves. A copy no host
+    reads (most replicas, while their owner lives) is not read at all: a
+    retry reads it where it becomes the source."""
     plan = assembler.plan
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
     split = self._split(assembler, target_specs, targets)
+    reads = split.local + [k for k in split.needed
+                           if _exchange.chosen_source(plan.copies[k]).store == self.host]
+    for rb in plan.rebuilds:
+      reads.extend(k for j, pieces in enumerate(rb.layout.pieces) if j != rb.lost
+                   for k in pieces
+                   if _exchange.chosen_source([c for c in plan.copies[k]
+                                               if c.store != REBUILT]).store == self.host)
     source = assembler.source
     if source.prefetch_pool is not None:
-      assembler.prefetch(source.prefetch_pool, source.prefetch_workers, split.local)
-    for (leaf, idx), copies in plan.copies.items():
-      if not assembler.verified(leaf, idx) and any(c.store == self.host for c in copies):
-        assembler.check(leaf, idx)
+      assembler.prefetch(source.prefetch_pool, source.prefetch_workers, reads)
+    else:
+      for leaf, idx in dict.fromkeys(reads):
+        if not assembler.verified(leaf, idx):
+          assembler.check(leaf, idx)
     for rb in plan.rebuilds:
       for c in rb.blocks.values():
         assembler.check_copy(c)
+    timings["read_verify"] = time.perf_counter() - t
+    t = time.perf_counter()
     bad = _exchange.gather_bad(list(assembler.bad))
+    timings["read_agree"] = time.perf_counter() - t
     if bad:
       return Assembled(None, {k: f"checksum mismatch in "
                                  f"{what_copy(k, plan.specs[k[2]].path)} held by host {k[0]}"
-                              for k in bad})
+                              for k in bad}, timings=timings)
+    t = time.perf_counter()
     rebuilt = _rebuild(assembler, self._my_piece(assembler),
                        lambda c: assembler.block(c) if c.store == self.host else None,
                        _exchange.sum_words)
     leaves, moved = self._leaves(assembler, split, target_specs, targets)
-    return Assembled(leaves, {}, moved + rebuilt)
+    timings["read_place"] = time.perf_counter() - t
+    return Assembled(leaves, {}, moved + rebuilt, timings=timings)
 
   def _my_piece(self, assembler: Assembler) -> Callable[[int, Index], np.ndarray | None]:
     """A rebuild's piece source: the pieces this host is the agreed source of."""
@@ -177,7 +205,7 @@ class Distributed:
         needed.update(((li, idx), None) for idx in missing)
       else:
         split.here.append(pos)
-        split.local.extend(assembler.local_pieces(li, tspec, target))
+      split.local.extend(assembler.local_pieces(li, tspec, target))
     split.needed = list(needed)
     return split
 
@@ -219,8 +247,8 @@ class _Split:
   """:meth:`Distributed._split`: each target leaf's position in the plan;
   the positions cut from every host's own copies, scalars too (``here``),
   and those with a piece to move (``moved``); the pieces this host's shards
-  of ``here`` are cut from (``local``); the pieces some host lacks, in
-  order."""
+  are cut from (``local``: those it holds are read here, the others
+  arrive); the pieces some host lacks, in order."""
 
   leaf: list[int]
   here: list[int] = dataclasses.field(default_factory=list)

@@ -53,7 +53,10 @@ class RestoreResult:
     timings: seconds per phase (``scan``, ``plan``, ``read``, ``total``...);
       ``scan`` includes ``scan_persistent`` (listing the persistent tier's
       committed steps) and ``scan_exchange`` (every process's manifests,
-      one exchange; multi-host).
+      one exchange; multi-host); ``read``, of the step restored, includes
+      ``read_verify`` (its copies read and checked), ``read_agree`` (the
+      hosts agreeing on bad copies; multi-host) and ``read_place`` (pieces
+      moved between hosts or rebuilt, and the leaves built).
     notes: why fresher candidates were not used.
   """
 

@@ -255,6 +255,30 @@ def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_
   assert any("checksum mismatch" in n and "host 0" in n for n in r["notes"]), r["notes"]
 
 
+def test_a_copy_no_host_reads_is_never_read(reference, tmp_path, cache_dir):
+  """Host 0 is killed, every store survives. At every step, host 3's copy
+  of one of host 1's shards (a replica: host 1 lives, its own copy is the
+  one read) has a flipped byte, and so does host 0's own copy of one of its
+  shards. The freshest step is restored: host 0's shard from its replica
+  (a retry: that copy is read once it is the source), host 3's bad copy
+  never read (no note names it; reading every held copy used to)."""
+  def damage(inc):
+    if inc.number != 0:
+      return
+    for m in _manifests(job.store, 3).values():
+      _flip(job.store, m, next(p for p in m.pieces if p.owner == 1).offset)
+    for m in _manifests(job.store, 0).values():
+      own = max((p for p in m.pieces if p.owner == 0), key=lambda p: p.nbytes)
+      _flip(job.store, m, own.offset + own.nbytes // 2)
+
+  job = Job(tmp_path, cache_dir, "unread")
+  job.run([Kill(host=0, step=6)], args=["--hosts-per-domain", "2", "--keep", "3"],
+          between=damage)
+  r = check_resumed(job.report, reference, lo=5, hi=6)
+  assert any("checksum mismatch" in n and "host 0" in n for n in r["notes"]), r["notes"]
+  assert not any("host 3" in n for n in r["notes"]), r["notes"]
+
+
 # ---------------------------------------------------------------- in place
 def in_place_reports(job, host):
   """Every report ``host`` wrote in incarnation 0: the first process's, then
