@@ -22,7 +22,7 @@ import numpy as np
 from ._arena import ArenaCache, host_arena
 from ._checksum import SMALL_BYTES, aligned_empty
 from ._index import Index, align, full, normalize, overlaps, shape_of, to_slices, volume
-from ._layout import LeafKind, LeafSpec, target_sharding, wants_numpy
+from ._layout import LeafKind, LeafSpec, filled, target_sharding, wants_numpy
 from ._planner import Copy, CopyKey, StepPlan
 
 Stored = np.ndarray | jax.Array
@@ -166,15 +166,12 @@ class Assembler:
     total = sum(align(n) for _, n in items)
     arena = self.arenas.take(total) if self.arenas is not None else host_arena(total)
     task_bytes = max(PREFETCH_TASK_BYTES, -(-total // (2 * max(workers, 1))))
-    tasks: list[list[tuple[Item, np.ndarray]]] = [[]]
-    size = at = 0
+    placed: list[tuple[Item, np.ndarray]] = []
+    at = 0
     for item, n in items:
-      if size >= task_bytes:
-        tasks.append([])
-        size = 0
-      tasks[-1].append((item, arena[at:at + n]))
+      placed.append((item, arena[at:at + n]))
       at += align(n)
-      size += n
+    tasks = filled(placed, [n for _, n in items], task_bytes)
     fetch = lambda task: [got for item, out in task  # noqa: E731
                           for got in self._fetch_item(item, out)]
     # Tasks of small pieces one at a time run here, while the pool copies

@@ -325,6 +325,21 @@ def addressable_data(leaf_idx: int, arr: jax.Array) -> tuple[tuple[Piece, ...], 
   return pieces, data
 
 
+def filled(items: Sequence[Any], sizes: Sequence[int], limit: int) -> list[list[Any]]:
+  """``items`` in consecutive groups, each closed once it holds ``limit``
+  bytes or more (a task's share of a copy: big enough that its hand-off
+  costs little)."""
+  out: list[list[Any]] = []
+  size = limit
+  for item, n in zip(items, sizes):
+    if size >= limit:
+      out.append([])
+      size = 0
+    out[-1].append(item)
+    size += n
+  return out
+
+
 def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
   """Groups positions into consecutive runs of at most ``limit`` bytes (an
   item larger than ``limit`` gets a run of its own)."""

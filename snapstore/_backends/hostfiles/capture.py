@@ -31,7 +31,7 @@ from ..._checksum import (CACHE_BYTES, chunk_seeds, copy_crc, first_seed, one_ch
                           piece_key)
 from ..._index import Index, align, nbytes as index_nbytes, normalize
 from ..._layout import (LeafKind, LeafSpec, Piece, addressable_data, addressable_pieces,
-                         batches, piece_of)
+                         batches, filled, piece_of)
 from ..._placement import (HolderLayout, holder_layout, owners, replica_shardings, ring_keepers,
                            ring_permutable, ring_permute, shard_arrays)
 
@@ -344,27 +344,15 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
     plan = _chunk_plan(path, piece.index, n, chunk_bytes)
     chunks.extend([(src, at, a, b, seed, more) for a, b, seed in plan])
     per_piece.append((j, len(plan)))
-  # Pieces travel together: one task per ~chunk_bytes, not one per piece.
-  batches: list[list[Chunk]] = [[]]
-  size = 0
-  for c in chunks:
-    if size >= chunk_bytes:
-      batches.append([])
-      size = 0
-    batches[-1].append(c)
-    size += (c[3] - c[2]) * (1 + len(c[5]))  # twins are written too
-  running = [pool.submit(copy_chunks, b) for b in batches if b]
+  # Pieces travel together: one task per ~chunk_bytes, not one per piece
+  # (twins are written too).
+  running = [pool.submit(copy_chunks, b) for b in
+             filled(chunks, [(c[3] - c[2]) * (1 + len(c[5])) for c in chunks], chunk_bytes)]
   # Small pieces: half their tasks on the pool, half on this thread (the
   # crc32c of a small piece holds the GIL, so two threads overlap one's
   # copies with the other's Python).
-  tasks: list[list[Small]] = [[]]
-  size = 0
-  for sm in smalls:
-    if size >= SMALL_TASK_BYTES:
-      tasks.append([])
-      size = 0
-    tasks[-1].append(sm)
-    size += sm[0].nbytes
+  tasks: list[list[Small]] = filled(smalls, [sm[0].nbytes for sm in smalls],
+                                     SMALL_TASK_BYTES)
   there = [pool.submit(copy_small, t) for t in tasks[1::2]]
   here = [copy_small(t) for t in tasks[0::2]]
   small_crcs: list[int] = []
