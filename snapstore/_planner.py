@@ -147,10 +147,10 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
     # from the rows (offset, nbytes): no record made twice per piece
     slot_bytes = max([r[2] + r[3] for r in m.pieces.rows] +
                      [r.piece.offset + r.piece.nbytes for r in m.parity], default=0)
-    host, slot = m.host, m.slot
-    for p in m.pieces:  # (one pass, no call but the records': thousands of pieces)
-      if not bad or (host, step, p.leaf, p.index) not in bad:
-        copies[(p.leaf, p.index)].append(Copy(host, slot, p, slot_bytes))
+    for p in m.pieces:  # (thousands of pieces: a record and a copy each, named tuples)
+      c = Copy(m.host, m.slot, p, slot_bytes)
+      if not bad or c.key(step) not in bad:
+        copies[(p.leaf, p.index)].append(c)
     for r in m.parity:
       c = Copy(m.host, m.slot, r.piece, slot_bytes)
       if c.key(step) not in bad:
