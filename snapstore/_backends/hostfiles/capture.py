@@ -10,9 +10,10 @@ safe from the next step:
 * on accelerators, each leaf is dispatched to ``pinned_host`` memory with an
   async ``device_put``; the drain reads the host copy.
 
-``drain`` copies each piece chunk by chunk into the slot on a thread pool and
-computes the crc32c of each chunk while it is hot in cache, then drops the
-sources so the next step may donate again.
+``drain`` copies each piece part by part into the slot on a thread pool
+(streaming stores where :mod:`.._stream` is built: see
+:func:`.._checksum.stream_crc`) and computes the crc32c of each part while it
+is hot in cache, then drops the sources so the next step may donate again.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import jax
 import numpy as np
 
 from ... import _faults, _group, _parity
-from ..._checksum import (CACHE_BYTES, chunk_seeds, copy_crc, first_seed, one_chunk_crc,
-                          piece_key)
+from ..._checksum import (CACHE_BYTES, STREAMING, chunk_seeds, first_seed, one_chunk_crc,
+                          piece_key, stream_copy, stream_crc)
 from ..._index import Index, align, nbytes as index_nbytes, normalize
 from ..._layout import (LeafKind, LeafSpec, Piece, addressable_data, addressable_pieces,
                          batches, filled, piece_of)
@@ -303,16 +304,16 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   Small = tuple[np.ndarray, int, int]
 
   def copy_chunks(batch: list[Chunk]) -> list[int]:
-    return [copy_crc(dst[at + a: at + b], src if b - a == src.nbytes else src[a:b], seed,
-                     [buf[t + a: t + b] for buf, t in more] if more else ())
+    return [stream_crc(dst[at + a: at + b], src if b - a == src.nbytes else src[a:b], seed,
+                       [buf[t + a: t + b] for buf, t in more] if more else ())
             for src, at, a, b, seed, more in batch]
 
   def copy_small(batch: list[Small]) -> list[int]:
     out = []
     for src, at, seed in batch:  # (per piece: a slice, a copy and a crc32c)
       part = dst[at:at + src.nbytes]
-      np.copyto(part, src)
-      out.append(one_chunk_crc(part, seed))
+      stream_copy(part, src)  # (then the crc32c of what is in cache: see stream_crc)
+      out.append(one_chunk_crc(src if STREAMING else part, seed))
     return out
 
   chunks: list[Chunk] = []
