@@ -96,18 +96,15 @@ def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> float:
 
 
 def checked_copy_seconds(sources: Sequence[np.ndarray], copies: int, repeats: int = 5,
-                         threads: int = 2, save: bool = True) -> float:
+                         threads: int = 2) -> float:
   """Median seconds to write ``copies`` checked copies of ``sources`` (flat
-  uint8 arrays) with snapstore's own fused copy and crc32c on ``threads``
-  threads, into touched, reused buffers, and nothing else: the least a store
-  that checks every byte and keeps that many copies pays here. ``save``: a
-  save's copy (``_checksum.stream_crc``: streaming stores where built, each
-  further copy from the source part in cache); else a restore's
-  (``_checksum.copy_crc``: the crc32c of the copy, computed on it)."""
+  uint8 arrays) with snapstore's own fused copy and crc32c
+  (``_checksum.copy_crc``: every copy written from the same loads) on
+  ``threads`` threads, into touched, reused buffers, and nothing else: the
+  least a store that checks every byte and keeps that many copies pays here."""
   from concurrent import futures  # noqa: PLC0415
 
-  from snapstore._checksum import copy_crc, stream_crc  # noqa: PLC0415
-  fused = stream_crc if save else copy_crc
+  from snapstore._checksum import copy_crc  # noqa: PLC0415
   dsts = [[np.zeros_like(s) for s in sources] for _ in range(copies)]
   jobs = [(s, [d[j] for d in dsts]) for j, s in enumerate(sources)]
   if len(jobs) < threads:  # few big sources: each split between the threads
@@ -117,7 +114,7 @@ def checked_copy_seconds(sources: Sequence[np.ndarray], copies: int, repeats: in
 
   def work(mine: list[tuple[np.ndarray, list[np.ndarray]]]) -> None:
     for src, (first, *more) in mine:
-      fused(first, src, 0, more)
+      copy_crc(first, src, 0, more)
   with futures.ThreadPoolExecutor(threads) as pool:
     run = lambda: list(pool.map(work, share))  # noqa: E731
     run()
@@ -126,35 +123,30 @@ def checked_copy_seconds(sources: Sequence[np.ndarray], copies: int, repeats: in
 
 def checked_floor(state: Any, repeats: int, memcpy: Memcpy) -> dict[str, float | int]:
   """One checked copy of every addressable shard of ``state``
-  (:func:`checked_copy_seconds`, on one thread and on two), a save's and a
-  restore's: ``save_s`` / ``restore_s``, the faster; ``save_threads`` /
-  ``restore_threads``, which; ``save_vs_memcpy`` / ``restore_vs_memcpy``, the
-  median of ``memcpy`` samples taken beside the timed runs over it."""
+  (:func:`checked_copy_seconds`, on one thread and on two): ``seconds``,
+  the faster; ``threads``, which; ``vs_memcpy``, the median of ``memcpy``
+  samples taken beside the timed runs over ``seconds``."""
   import jax  # noqa: PLC0415
   sources = [np.asarray(s.data).reshape(-1).view(np.uint8)
              for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
              for s in x.addressable_shards]
-  out: dict[str, float | int] = {}
-  for kind in ("save", "restore"):
-    start = len(memcpy.samples)
-    times = {}
-    for threads in (1, 2):
-      memcpy.sample()
-      times[threads] = checked_copy_seconds(sources, copies=1, repeats=repeats,
-                                            threads=threads, save=kind == "save")
-      memcpy.sample()
-    threads = min(times, key=times.__getitem__)
-    out.update({f"{kind}_s": times[threads], f"{kind}_threads": threads,
-                f"{kind}_vs_memcpy": memcpy.median_since(start) / times[threads]})
-  return out
+  start = len(memcpy.samples)
+  times = {}
+  for threads in (1, 2):
+    memcpy.sample()
+    times[threads] = checked_copy_seconds(sources, copies=1, repeats=repeats, threads=threads)
+    memcpy.sample()
+  threads = min(times, key=times.__getitem__)
+  return {"seconds": times[threads], "threads": threads,
+          "vs_memcpy": memcpy.median_since(start) / times[threads]}
 
 
 def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   """Median seconds of the least a store written in Python pays per piece,
   unchecked, in this process: ``save_s``, a numpy view of every addressable
-  shard (what pins it against donation) copied into reused memory, one copy
-  a piece (a save's: ``_checksum.stream_copy``); ``restore_s``, every piece
-  copied back out into reused memory (``np.copyto``) and each leaf placed with JAX's batched put (snapstore's
+  shard (what pins it against donation) copied into reused memory, one
+  ``np.copyto`` a piece; ``restore_s``, every piece copied back out into
+  reused memory and each leaf placed with JAX's batched put (snapstore's
   ``_assemble._place_host``, what a restore ends in). The copies run on one
   thread or split between two, whichever is faster (two win for big pieces;
   for small ones they only contend for the GIL). No checksums, manifests or
@@ -166,7 +158,6 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
 
   from snapstore._assemble import _place_host, _wanted  # noqa: PLC0415
   from snapstore._arena import host_arena  # noqa: PLC0415
-  from snapstore._checksum import stream_copy  # noqa: PLC0415
   from snapstore._index import align, nbytes as index_nbytes, shape_of  # noqa: PLC0415
   from snapstore._layout import leaf_spec, positions  # noqa: PLC0415
   leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
@@ -186,7 +177,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   def save_some(some: Sequence[tuple[Any, ...]]) -> None:
     for j, _, _, pos, off, n in some:
       view = np.asarray(leaves[j].addressable_data(pos)).reshape(-1).view(np.uint8)
-      stream_copy(slot[off:off + n], view)  # a save's copy
+      np.copyto(slot[off:off + n], view)
 
   def restore_some(some: Sequence[tuple[Any, ...]]) -> list[np.ndarray]:
     out = []

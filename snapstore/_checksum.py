@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 from collections.abc import Sequence
 from concurrent import futures
 
@@ -66,12 +67,17 @@ def piece_key(path: str, index: Sequence[Sequence[int]]) -> bytes:
   return f"{path}|{[list(r) for r in index]}".encode()
 
 
-#: Copies go through the cache this many bytes at a time: each part is
-#: checksummed right after it is written, while it is still in L2, so a copy
-#: with its crc32c costs one pass over memory. Measured once here (a 256 MB
-#: numpy copy, 2 cores): two threads copy and check at 13.6 GB/s with
-#: 256 KiB parts, 10.4 GB/s with 4 MiB ones; single-thread memcpy 11.7 GB/s.
-#: ``benchmarks.capture`` shows the effect on save (0.65 -> 0.82x memcpy).
+#: Whether copies go through :func:`._stream.copy_crc32c` (built with the
+#: package: x86-64 with SSE4.2 and a C compiler at install): the copy and its
+#: crc32c in one pass, streaming stores. ``SNAPSTORE_FUSED_COPY=0`` in the
+#: environment turns it off (numpy copies: to compare, or to rule it out).
+FUSED = (_stream is not None and bool(_stream.FUSED)
+         and os.environ.get("SNAPSTORE_FUSED_COPY", "1") != "0")
+
+#: Without :data:`FUSED`, copies go through the cache this many bytes at a
+#: time: each part is checksummed right after it is written, while it is
+#: still in L2. Measured once here (a 256 MB numpy copy, 2 cores): two threads
+#: copy and check at 13.6 GB/s with 256 KiB parts, 10.4 GB/s with 4 MiB ones.
 CACHE_BYTES = 256 << 10
 
 #: Copies of pieces smaller than this on average cost more in Python than in
@@ -84,12 +90,17 @@ SMALL_BYTES = 128 << 10
 
 def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int,
              also: Sequence[np.ndarray] = ()) -> int:
-  """Copies ``src`` into ``dst`` (flat uint8 arrays of one size) and returns
-  the crc32c of the bytes written, continued from ``crc``, computed on
-  ``dst`` part by part while each part is hot in cache; each part then goes
-  on to every buffer of ``also`` (from the cache: the checked bytes). A
-  restore's copy: the bytes checked are the bytes returned, whatever another
-  process does to ``src`` meanwhile (a save's copy: :func:`stream_crc`)."""
+  """Copies ``src`` into ``dst`` and every buffer of ``also`` (flat uint8
+  arrays of one size, none overlapping ``src``) and returns the crc32c of the
+  bytes written, continued from ``crc``: the bytes checked are the bytes
+  written, whatever another process does to ``src`` meanwhile.
+
+  With :data:`FUSED`: one pass (each word loaded once, checksummed and
+  stored from the register; streaming stores, which skip reading the lines
+  they write). Else numpy: ``dst`` part by part, each part checksummed while
+  hot in cache and then copied on to ``also`` from the cache."""
+  if FUSED:
+    return _stream.copy_crc32c(crc, src, dst, *also)
   if src.nbytes <= CACHE_BYTES:  # one part (a small piece): no loop, no slicing
     np.copyto(dst, src)
     crc = crc32c.crc32c(dst, crc)
@@ -102,52 +113,6 @@ def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int,
     crc = crc32c.crc32c(part, crc)
     for other in also:
       np.copyto(other[a:a + CACHE_BYTES], part)
-  return crc
-
-
-#: Whether a save's copies stream past the cache (:mod:`._stream`, built with
-#: the package: x86-64 with a C compiler at install).
-STREAMING = _stream is not None and bool(_stream.STREAMS)
-
-#: A save copies with ``stream_copy``: streaming stores (dst, src), else numpy.
-stream_copy = _stream.copy if STREAMING else np.copyto
-
-#: A streaming copy goes this many bytes at a time: the source part it just
-#: read is still in cache (L2, else L3) when its crc32c is computed. 256 MB in
-#: 4 MiB pieces, two threads, side by side (scratch): one checked copy 18.4
-#: ms with 512 KiB parts, 18.7 with 1 MiB, 18.9 with 256 KiB; two copies
-#: 30.3, 28.7, 30.6 (numpy copies, crc32c of the copy: 25.0 and 40.3 ms).
-STREAM_PART = 1 << 20
-
-
-def stream_crc(dst: np.ndarray, src: np.ndarray, crc: int,
-               also: Sequence[np.ndarray] = ()) -> int:
-  """A save's copy: copies ``src`` into ``dst`` and every buffer of ``also``
-  (flat uint8 arrays of one size) and returns the crc32c of ``src``'s bytes,
-  continued from ``crc``.
-
-  With :data:`STREAMING`, each part is copied with streaming stores (the
-  copies skip the cache: memory is read once and written once a copy, where
-  an ordinary store first reads the line it writes) and checksummed from the
-  source part the copy just brought into cache. The checksum is of the bytes
-  the copies were made from: a copy that differs from them (its source
-  changed under it, a fault) fails its check when read, it never passes it.
-  Without streaming: :func:`copy_crc` (the checksum of ``dst``)."""
-  if not STREAMING:
-    return copy_crc(dst, src, crc, also)
-  copy = _stream.copy
-  if src.nbytes <= STREAM_PART:
-    copy(dst, src)
-    crc = crc32c.crc32c(src, crc)
-    for other in also:
-      copy(other, src)
-    return crc
-  for a in range(0, src.nbytes, STREAM_PART):
-    part = src[a:a + STREAM_PART]
-    copy(dst[a:a + STREAM_PART], part)
-    crc = crc32c.crc32c(part, crc)
-    for other in also:
-      copy(other[a:a + STREAM_PART], part)
   return crc
 
 

@@ -21,12 +21,12 @@ import jax
 import numpy as np
 
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import (ChecksumKind, copy_verified, crc_matches, first_seed,
+from ..._checksum import (ChecksumKind, copy_crc, copy_verified, crc_matches, first_seed,
                           one_chunk_crc, piece_key)
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
 from ..._manifest import Manifest, piece_row, split_parity
-from ... import _group, _parity
+from ... import _checksum, _group, _parity
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ...options import SnapshotOptions, StoreKind
@@ -191,9 +191,10 @@ class HostFilesBackend(DomainStores):
 
   def fetch_run(self, plan: StepPlan, copies: Sequence[Copy], out: np.ndarray
                 ) -> list[Any]:
-    """Consecutive copies of one slot (see :meth:`.._assemble.PieceSource.fetch_run`):
-    their span in one copy into ``out``, then each piece's crc32c on it
-    while it is hot in cache."""
+    """Consecutive copies of one slot (see :meth:`.._assemble.PieceSource.fetch_run`)
+    into ``out``, each piece checked as it is copied (:func:`.._checksum.copy_crc`;
+    without the fused copy: their span in one copy, then each piece's crc32c
+    on it while it is hot in cache)."""
     first, last = copies[0], copies[-1]
     start = first.record.offset
     try:
@@ -202,19 +203,22 @@ class HostFilesBackend(DomainStores):
       return [None] * len(copies)
     if span.nbytes != out.nbytes:
       return [None] * len(copies)
-    np.copyto(out, span)
-    del span
+    fused = _checksum.FUSED  # else: the span in one numpy copy, then each crc32c on it
+    if not fused:
+      np.copyto(out, span)
     got: list[Any] = []
     leaf = None
-    for c in copies:  # (per piece: a slice, a crc32c and a view; thousands of pieces)
+    for c in copies:  # (per piece: slices, a checked copy and a view; thousands of pieces)
       rec = c.record
       if rec.leaf != leaf:
         leaf = rec.leaf
         path, dtype = plan.path_and_dtype(rec)
-      part = out[rec.offset - start: rec.offset - start + rec.nbytes]
+      at = rec.offset - start
+      part = out[at: at + rec.nbytes]
       if (rec.kind is not ChecksumKind.CRC32C or len(rec.checksum) != 1
           or rec.nbytes > plan.chunk_bytes
-          or one_chunk_crc(part, first_seed(path, rec.index)) != rec.checksum[0]):
+          or (copy_crc(part, span[at: at + rec.nbytes], first_seed(path, rec.index)) if fused
+              else one_chunk_crc(part, first_seed(path, rec.index))) != rec.checksum[0]):
         got.append(None)
       elif rec.leaf < 0:
         got.append(part.view(dtype))

@@ -10,10 +10,9 @@ safe from the next step:
 * on accelerators, each leaf is dispatched to ``pinned_host`` memory with an
   async ``device_put``; the drain reads the host copy.
 
-``drain`` copies each piece part by part into the slot on a thread pool
-(streaming stores where :mod:`.._stream` is built: see
-:func:`.._checksum.stream_crc`) and computes the crc32c of each part while it
-is hot in cache, then drops the sources so the next step may donate again.
+``drain`` copies each piece into the slot on a thread pool with its crc32c
+(:func:`.._checksum.copy_crc`: one pass where :mod:`.._stream` is built),
+then drops the sources so the next step may donate again.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ import jax
 import numpy as np
 
 from ... import _faults, _group, _parity
-from ..._checksum import (CACHE_BYTES, STREAMING, chunk_seeds, first_seed, one_chunk_crc,
-                          piece_key, stream_copy, stream_crc)
+from ..._checksum import CACHE_BYTES, chunk_seeds, copy_crc, first_seed, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
 from ..._layout import (LeafKind, LeafSpec, Piece, addressable_data, addressable_pieces,
                          batches, filled, piece_of)
@@ -304,17 +302,13 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   Small = tuple[np.ndarray, int, int]
 
   def copy_chunks(batch: list[Chunk]) -> list[int]:
-    return [stream_crc(dst[at + a: at + b], src if b - a == src.nbytes else src[a:b], seed,
-                       [buf[t + a: t + b] for buf, t in more] if more else ())
+    return [copy_crc(dst[at + a: at + b], src if b - a == src.nbytes else src[a:b], seed,
+                     [buf[t + a: t + b] for buf, t in more] if more else ())
             for src, at, a, b, seed, more in batch]
 
   def copy_small(batch: list[Small]) -> list[int]:
-    out = []
-    for src, at, seed in batch:  # (per piece: a slice, a copy and a crc32c)
-      part = dst[at:at + src.nbytes]
-      stream_copy(part, src)  # (then the crc32c of what is in cache: see stream_crc)
-      out.append(one_chunk_crc(src if STREAMING else part, seed))
-    return out
+    # (per piece: a slice and a checked copy)
+    return [copy_crc(dst[at:at + src.nbytes], src, seed) for src, at, seed in batch]
 
   chunks: list[Chunk] = []
   per_piece: list[tuple[int, int]] = []  # (which piece, its chunks) of each big piece
@@ -349,9 +343,9 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   # (twins are written too).
   running = [pool.submit(copy_chunks, b) for b in
              filled(chunks, [(c[3] - c[2]) * (1 + len(c[5])) for c in chunks], chunk_bytes)]
-  # Small pieces: half their tasks on the pool, half on this thread (the
-  # crc32c of a small piece holds the GIL, so two threads overlap one's
-  # copies with the other's Python).
+  # Small pieces: half their tasks on the pool, half on this thread (two
+  # threads overlap one's copies, which release the GIL above 16 KiB, with
+  # the other's Python).
   tasks: list[list[Small]] = filled(smalls, [sm[0].nbytes for sm in smalls],
                                      SMALL_TASK_BYTES)
   there = [pool.submit(copy_small, t) for t in tasks[1::2]]
