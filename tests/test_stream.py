@@ -46,7 +46,7 @@ def test_the_extension_is_built_where_it_can_be():
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dst_at,src_at", [(0, 0), (1, 0), (0, 3), (7, 5), (4, 4)])
-@pytest.mark.parametrize("ndst", [1, 2, 3])
+@pytest.mark.parametrize("ndst", [1, 2, 3, 5])
 def test_a_fused_copy_is_the_source_and_its_crc32c(n, dst_at, src_at, ndst):
   copy_crc32c = _stream().copy_crc32c
   rng = np.random.default_rng(n + 31 * dst_at + src_at)
@@ -75,12 +75,38 @@ def test_a_fused_copy_refuses_what_it_cannot_copy():
   both = np.zeros(200, np.uint8)
   with pytest.raises(ValueError, match="overlaps"):
     copy_crc32c(0, both[:100], both[50:150])
+  with pytest.raises(ValueError, match="two dsts overlap"):
+    copy_crc32c(0, src, both[:100], both[99:199])
+  with pytest.raises(TypeError, match="Python objects"):  # references copied uncounted
+    copy_crc32c(0, np.array([object()] * 4), np.empty(4, object))
   with pytest.raises(OverflowError):
     copy_crc32c(1 << 32, src, np.zeros(100, np.uint8))
   with pytest.raises(TypeError):
     copy_crc32c(0, src)
   with pytest.raises(TypeError):
     copy_crc32c(0, src, *[np.zeros(100, np.uint8) for _ in range(9)])
+
+
+def test_a_fused_copy_takes_numpy_integers_for_the_crc():
+  copy_crc32c = _stream().copy_crc32c
+  src = np.arange(1000, dtype=np.uint16).view(np.uint8)
+  want = crc32c.crc32c(src, 77)
+  assert copy_crc32c(np.uint32(77), src, np.empty_like(src)) == want
+  assert copy_crc32c(np.int64(77), src, np.empty_like(src)) == want
+
+
+def test_a_fused_copy_of_over_one_and_a_half_gib_has_the_right_crc():
+  """Its thirds then reach 2**29 bytes: joining their crcs needs x**(2**32)
+  mod the polynomial, which zlib's table (built for CRC-32, whose powers
+  repeat every 32) gets wrong for CRC-32C (every 31)."""
+  copy_crc32c = _stream().copy_crc32c
+  n = 3 * (1 << 29) + 4096 + 5
+  src = np.zeros(n, np.uint8)  # (untouched pages: the zero page, no memory)
+  src[[0, 1 << 29, n // 2, n - 1]] = [1, 2, 3, 4]
+  dst = np.empty(n, np.uint8)
+  got = copy_crc32c(9, src, dst)
+  assert got == crc32c.crc32c(dst, 9) == crc32c.crc32c(src, 9)
+  assert dst[n - 1] == 4
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "numpy"])
