@@ -215,10 +215,14 @@ class HostFilesBackend(DomainStores):
         path, dtype = plan.path_and_dtype(rec)
       at = rec.offset - start
       part = out[at: at + rec.nbytes]
-      if (rec.kind is not ChecksumKind.CRC32C or len(rec.checksum) != 1
-          or rec.nbytes > plan.chunk_bytes
-          or (copy_crc(part, span[at: at + rec.nbytes], first_seed(path, rec.index)) if fused
-              else one_chunk_crc(part, first_seed(path, rec.index))) != rec.checksum[0]):
+      if rec.kind is not ChecksumKind.CRC32C or len(rec.checksum) != 1 \
+          or rec.nbytes > plan.chunk_bytes:
+        got.append(None)
+        continue
+      seed = first_seed(path, rec.index)
+      crc = (copy_crc(part, span[at: at + rec.nbytes], seed) if fused
+             else one_chunk_crc(part, seed))
+      if crc != rec.checksum[0]:
         got.append(None)
       elif rec.leaf < 0:
         got.append(part.view(dtype))
