@@ -116,6 +116,21 @@ def copy_crc(dst: np.ndarray, src: np.ndarray, crc: int,
   return crc
 
 
+def copy_crc_many(src: np.ndarray, dst: np.ndarray, rows: Sequence[int]) -> list[int]:
+  """:func:`copy_crc` of many parts of ``src`` into the same places of
+  ``dst`` (flat uint8, of one size, not overlapping) in one call: ``rows``
+  is flat (offset, length, seed) triples; returns each part's crc32c.
+  With :data:`FUSED` no Python runs per part (a run of thousands of small
+  pieces); else one :func:`copy_crc` a part."""
+  if FUSED:
+    table = np.array(rows, dtype=np.int64)
+    crcs = np.empty(len(rows) // 3, dtype=np.uint32)
+    _stream.copy_crc32c_many(src, dst, table, crcs)
+    return crcs.tolist()
+  return [copy_crc(dst[a:a + n], src[a:a + n], seed)
+          for a, n, seed in zip(rows[::3], rows[1::3], rows[2::3])]
+
+
 def chunk_seed(key: bytes, chunk: int) -> int:
   """The initial crc32c value of chunk number ``chunk`` of the piece ``key``."""
   return crc32c.crc32c(key + chunk.to_bytes(8, "little"))

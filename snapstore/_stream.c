@@ -313,11 +313,134 @@ done:
   return result;
 }
 
+/* A signed 64-bit integer buffer ('q' or 'l', any byte-order prefix). */
+static int is_int64(const Py_buffer *b) {
+  const char *f = b->format == NULL ? "B" : b->format;
+  if (*f == '<' || *f == '=' || *f == '@') {
+    f++;
+  }
+  return b->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
+}
+
+static int is_uint32(const Py_buffer *b) {
+  const char *f = b->format == NULL ? "B" : b->format;
+  if (*f == '<' || *f == '=' || *f == '@') {
+    f++;
+  }
+  return b->itemsize == 4 && strcmp(f, "I") == 0;
+}
+
+/* copy_crc32c_many(src, dst, table, crcs): for each row i of table (int64
+ * rows of (offset, length, seed)), copies src[offset:offset+length] to the
+ * same place in dst and writes the crc32c of the bytes copied, continued
+ * from seed, to crcs[i]. One call for a run of small pieces: no Python per
+ * piece. */
+static PyObject *copy_crc32c_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  Py_buffer src, dst, table, crcs;
+  int held = 0;
+  Py_ssize_t n, i, total = 0;
+  PyObject *result = NULL;
+  (void)self;
+  if (!fused) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "copy_crc32c_many needs x86-64 with SSE4.2 (FUSED is 0)");
+    return NULL;
+  }
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "copy_crc32c_many(src, dst, table, crcs) takes 4 arguments");
+    return NULL;
+  }
+  if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    return NULL;
+  }
+  held = 1;
+  if (PyObject_GetBuffer(args[1], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+    goto done;
+  }
+  held = 2;
+  if (PyObject_GetBuffer(args[2], &table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    goto done;
+  }
+  held = 3;
+  if (PyObject_GetBuffer(args[3], &crcs, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+    goto done;
+  }
+  held = 4;
+  if (holds_objects(&src) || holds_objects(&dst)) {
+    PyErr_SetString(PyExc_TypeError, "copy_crc32c_many: src or dst holds Python objects");
+    goto done;
+  }
+  if (dst.len != src.len) {
+    PyErr_Format(PyExc_ValueError, "copy_crc32c_many: dst has %zd bytes, src %zd", dst.len,
+                 src.len);
+    goto done;
+  }
+  if (overlaps(&dst, &src) || overlaps(&crcs, &src) || overlaps(&crcs, &dst) ||
+      overlaps(&crcs, &table)) {
+    PyErr_SetString(PyExc_ValueError, "copy_crc32c_many: buffers overlap");
+    goto done;
+  }
+  if (!is_int64(&table) || table.len % 24 != 0) {
+    PyErr_SetString(PyExc_TypeError, "copy_crc32c_many: table must be int64 rows of 3");
+    goto done;
+  }
+  n = table.len / 24;
+  if (!is_uint32(&crcs) || crcs.len != 4 * n) {
+    PyErr_Format(PyExc_TypeError, "copy_crc32c_many: crcs must be %zd uint32", n);
+    goto done;
+  }
+  {
+    const int64_t *t = (const int64_t *)table.buf;
+    for (i = 0; i < n; i++) {
+      int64_t at = t[3 * i], len = t[3 * i + 1], seed = t[3 * i + 2];
+      if (at < 0 || len < 0 || at > src.len || len > src.len - at) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_crc32c_many: row %zd (%lld, %lld) is outside the %zd bytes", i,
+                     (long long)at, (long long)len, src.len);
+        goto done;
+      }
+      if (seed < 0 || seed > 0xffffffffll) {
+        PyErr_Format(PyExc_OverflowError, "copy_crc32c_many: row %zd's seed is not a uint32", i);
+        goto done;
+      }
+      total += len;
+    }
+  }
+#if SNAPSTORE_X86
+  {
+    const int64_t *t = (const int64_t *)table.buf;
+    uint32_t *out = (uint32_t *)crcs.buf;
+    const char *s = (const char *)src.buf;
+    char *d = (char *)dst.buf;
+    PyThreadState *ts = total >= RELEASE_MIN ? PyEval_SaveThread() : NULL;
+    for (i = 0; i < n; i++) {
+      char *to = d + t[3 * i];
+      out[i] = copy_crc((uint32_t)t[3 * i + 2], s + t[3 * i], &to, 1, (size_t)t[3 * i + 1]);
+    }
+    if (ts != NULL) {
+      PyEval_RestoreThread(ts);
+    }
+  }
+#endif
+  result = Py_NewRef(Py_None);
+done:
+  if (held >= 4) PyBuffer_Release(&crcs);
+  if (held >= 3) PyBuffer_Release(&table);
+  if (held >= 2) PyBuffer_Release(&dst);
+  PyBuffer_Release(&src);
+  return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_crc32c", (PyCFunction)(void (*)(void))copy_crc32c, METH_FASTCALL,
      "copy_crc32c(crc, src, *dsts, /) -> int: copies src into every dst (same length,\n"
      "not overlapping src) with streaming stores; returns the crc32c of the bytes\n"
      "copied, continued from crc."},
+    {"copy_crc32c_many", (PyCFunction)(void (*)(void))copy_crc32c_many, METH_FASTCALL,
+     "copy_crc32c_many(src, dst, table, crcs, /) -> None: for each int64 row\n"
+     "(offset, length, seed) of table, copies src[offset:offset+length] to the same\n"
+     "place in dst (as long as src, not overlapping it) and writes the crc32c of the\n"
+     "bytes copied, continued from seed, to the uint32 crcs[row]."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -125,6 +125,66 @@ def test_copy_crc_checksums_the_bytes_it_copies(n, twins, fused, monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "numpy"])
+def test_copy_crc_many_copies_and_checksums_each_part(fused, monkeypatch):
+  """Parts of a run (odd sizes and places, empty ones, gaps left alone):
+  each is copied to its place and gets the crc32c of its bytes from its
+  own seed; nothing between them is written."""
+  if fused:
+    _stream()
+  monkeypatch.setattr(_checksum, "FUSED", fused)
+  rng = np.random.default_rng(5)
+  src = rng.integers(0, 256, 300_000, dtype=np.uint8)
+  dst = np.full_like(src, 0xA5)
+  parts = [(0, 0), (0, 9), (16, 65536), (65600, 1), (65608, 100_000), (200_000, 99_999)]
+  rows = [v for a, n in parts for v in (a, n, int(rng.integers(0, 1 << 32)))]
+  crcs = _checksum.copy_crc_many(src, dst, rows)
+  assert crcs == [crc32c.crc32c(src[a:a + n], seed)
+                  for a, n, seed in zip(rows[::3], rows[1::3], rows[2::3])]
+  written = np.zeros(src.size, bool)
+  for a, n in parts:
+    written[a:a + n] = True
+  np.testing.assert_array_equal(dst[written], src[written])
+  assert (dst[~written] == 0xA5).all()
+
+
+def test_copy_crc32c_many_refuses_bad_tables():
+  many = _stream().copy_crc32c_many
+  src, dst = np.zeros(100, np.uint8), np.zeros(100, np.uint8)
+  crcs = np.zeros(1, np.uint32)
+  ok = np.array([[0, 100, 0]], np.int64)
+  many(src, dst, ok, crcs)
+  for table, err in [
+      (np.array([[1, 100, 0]], np.int64), ValueError),        # past the end
+      (np.array([[-1, 10, 0]], np.int64), ValueError),        # before the start
+      (np.array([[0, -1, 0]], np.int64), ValueError),         # negative length
+      (np.array([[2**62, 2**62, 0]], np.int64), ValueError),  # overflowing sum
+      (np.array([[0, 10, 2**32]], np.int64), OverflowError),  # seed not a uint32
+      (np.array([[0, 10, -1]], np.int64), OverflowError),
+      (np.array([[0, 10, 0]], np.int32), TypeError),          # not int64
+      (np.array([0, 10], np.int64), TypeError)]:              # not rows of 3
+    with pytest.raises(err):
+      many(src, dst, table, crcs)
+  with pytest.raises(TypeError):  # crcs of the wrong count or type
+    many(src, dst, ok, np.zeros(2, np.uint32))
+  with pytest.raises(TypeError):
+    many(src, dst, ok, np.zeros(1, np.int64))
+  with pytest.raises(ValueError):  # dst of another size
+    many(src, np.zeros(99, np.uint8), ok, crcs)
+  with pytest.raises(ValueError):  # dst overlapping src
+    many(src[:60], src[40:], np.array([[0, 60, 0]], np.int64), crcs)
+  frozen = np.zeros(100, np.uint8)
+  frozen.flags.writeable = False
+  with pytest.raises((BufferError, ValueError)):  # a read-only dst
+    many(src, frozen, ok, crcs)
+  with pytest.raises((BufferError, ValueError)):  # not contiguous
+    many(src, np.zeros(200, np.uint8)[::2], ok, crcs)
+  with pytest.raises(TypeError, match="Python objects"):
+    many(np.array([object()] * 100), np.empty(100, object), ok, crcs)
+  with pytest.raises(TypeError):
+    many(src, dst, ok)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "numpy"])
 def test_the_crc_is_of_the_bytes_written_while_the_source_changes(fused, monkeypatch):
   """Another thread rewrites the source during every copy (as another process
   may rewrite a slot a restore reads): the crc32c returned is always that

@@ -21,8 +21,8 @@ import jax
 import numpy as np
 
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import (ChecksumKind, copy_crc, copy_verified, crc_matches, first_seed,
-                          one_chunk_crc, piece_key)
+from ..._checksum import (ChecksumKind, copy_crc, copy_crc_many, copy_verified, crc_matches,
+                          first_seed, one_chunk_crc, piece_key)
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
 from ..._manifest import Manifest, piece_row, split_parity
@@ -192,9 +192,10 @@ class HostFilesBackend(DomainStores):
   def fetch_run(self, plan: StepPlan, copies: Sequence[Copy], out: np.ndarray
                 ) -> list[Any]:
     """Consecutive copies of one slot (see :meth:`.._assemble.PieceSource.fetch_run`)
-    into ``out``, each piece checked as it is copied (:func:`.._checksum.copy_crc`;
-    without the fused copy: their span in one copy, then each piece's crc32c
-    on it while it is hot in cache)."""
+    into ``out``, each piece checked as it is copied: one call for the whole
+    run where :mod:`.._stream` is built (:func:`.._checksum.copy_crc_many`,
+    no Python a piece but its row and its view); else the span in one numpy
+    copy, then each piece's crc32c on it while it is hot in cache."""
     first, last = copies[0], copies[-1]
     start = first.record.offset
     try:
@@ -203,31 +204,37 @@ class HostFilesBackend(DomainStores):
       return [None] * len(copies)
     if span.nbytes != out.nbytes:
       return [None] * len(copies)
-    fused = _checksum.FUSED  # else: the span in one numpy copy, then each crc32c on it
-    if not fused:
-      np.copyto(out, span)
-    got: list[Any] = []
+    # (per piece: its row, a lookup and a view; thousands of pieces)
+    recs = [c.record for c in copies]
+    rows: list[int] = []
+    usable: list[bool] = []
     leaf = None
-    for c in copies:  # (per piece: slices, a checked copy and a view; thousands of pieces)
-      rec = c.record
+    chunk_bytes = plan.chunk_bytes
+    for rec in recs:
       if rec.leaf != leaf:
         leaf = rec.leaf
-        path, dtype = plan.path_and_dtype(rec)
-      at = rec.offset - start
-      part = out[at: at + rec.nbytes]
-      if rec.kind is not ChecksumKind.CRC32C or len(rec.checksum) != 1 \
-          or rec.nbytes > plan.chunk_bytes:
+        path, _ = plan.path_and_dtype(rec)
+      ok = (rec.kind is ChecksumKind.CRC32C and len(rec.checksum) == 1
+            and rec.nbytes <= chunk_bytes)
+      usable.append(ok)
+      rows += (rec.offset - start, rec.nbytes if ok else 0, first_seed(path, rec.index))
+    if _checksum.FUSED:
+      crcs = copy_crc_many(span, out, rows)
+    else:
+      np.copyto(out, span)
+      crcs = [one_chunk_crc(out[a: a + n], seed)
+              for a, n, seed in zip(rows[::3], rows[1::3], rows[2::3])]
+    got: list[Any] = []
+    leaf = None
+    for rec, ok, crc, at in zip(recs, usable, crcs, rows[::3]):
+      if not ok or crc != rec.checksum[0]:
         got.append(None)
         continue
-      seed = first_seed(path, rec.index)
-      crc = (copy_crc(part, span[at: at + rec.nbytes], seed) if fused
-             else one_chunk_crc(part, seed))
-      if crc != rec.checksum[0]:
-        got.append(None)
-      elif rec.leaf < 0:
-        got.append(part.view(dtype))
-      else:
-        got.append(part.view(dtype).reshape(shape_of(rec.index)))
+      if rec.leaf != leaf:
+        leaf = rec.leaf
+        _, dtype = plan.path_and_dtype(rec)
+      part = out[at: at + rec.nbytes].view(dtype)
+      got.append(part if rec.leaf < 0 else part.reshape(shape_of(rec.index)))
     return got
 
   def place_leaf(self, assembler: Assembler, leaf: int, sharding: jax.sharding.Sharding,
