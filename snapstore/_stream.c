@@ -431,6 +431,133 @@ done:
   return result;
 }
 
+/* copy_crc32c_gather(dst, table, crcs, srcs): for each source i of the
+ * sequence srcs, copies it to dst[offset:offset+len(src)] (table: int64
+ * rows of (offset, seed)) and writes the crc32c of the bytes copied,
+ * continued from seed, to crcs[i]. One call for many small pieces (a save's
+ * shards): no Python per piece. */
+static PyObject *copy_crc32c_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  Py_buffer dst, table, crcs, *srcs = NULL;
+  PyObject *seq = NULL, *result = NULL;
+  int held = 0;
+  Py_ssize_t n = 0, got = 0, i, total = 0;
+  (void)self;
+  if (!fused) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "copy_crc32c_gather needs x86-64 with SSE4.2 (FUSED is 0)");
+    return NULL;
+  }
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError,
+                    "copy_crc32c_gather(dst, table, crcs, srcs) takes 4 arguments");
+    return NULL;
+  }
+  if (PyObject_GetBuffer(args[0], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+    return NULL;
+  }
+  held = 1;
+  if (PyObject_GetBuffer(args[1], &table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    goto done;
+  }
+  held = 2;
+  if (PyObject_GetBuffer(args[2], &crcs, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+    goto done;
+  }
+  held = 3;
+  if (holds_objects(&dst)) {
+    PyErr_SetString(PyExc_TypeError, "copy_crc32c_gather: dst holds Python objects");
+    goto done;
+  }
+  if (!is_int64(&table) || table.len % 16 != 0) {
+    PyErr_SetString(PyExc_TypeError, "copy_crc32c_gather: table must be int64 rows of 2");
+    goto done;
+  }
+  n = table.len / 16;
+  if (!is_uint32(&crcs) || crcs.len != 4 * n) {
+    PyErr_Format(PyExc_TypeError, "copy_crc32c_gather: crcs must be %zd uint32", n);
+    goto done;
+  }
+  if (overlaps(&crcs, &dst) || overlaps(&crcs, &table)) {
+    PyErr_SetString(PyExc_ValueError, "copy_crc32c_gather: buffers overlap");
+    goto done;
+  }
+  seq = PySequence_Fast(args[3], "copy_crc32c_gather: srcs must be a sequence");
+  if (seq == NULL) {
+    goto done;
+  }
+  if (PySequence_Fast_GET_SIZE(seq) != n) {
+    PyErr_Format(PyExc_ValueError, "copy_crc32c_gather: %zd srcs for %zd rows",
+                 PySequence_Fast_GET_SIZE(seq), n);
+    goto done;
+  }
+  srcs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
+  if (srcs == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  {
+    const int64_t *t = (const int64_t *)table.buf;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (; got < n; got++) {
+      int64_t at = t[2 * got], seed = t[2 * got + 1];
+      if (PyObject_GetBuffer(items[got], &srcs[got], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        goto done;
+      }
+      if (holds_objects(&srcs[got])) {
+        got++;
+        PyErr_SetString(PyExc_TypeError, "copy_crc32c_gather: a src holds Python objects");
+        goto done;
+      }
+      if (at < 0 || at > dst.len || srcs[got].len > dst.len - at) {
+        got++;
+        PyErr_Format(PyExc_ValueError,
+                     "copy_crc32c_gather: row %zd: %zd bytes at %lld are outside the %zd bytes",
+                     got - 1, srcs[got - 1].len, (long long)at, dst.len);
+        goto done;
+      }
+      if (seed < 0 || seed > 0xffffffffll) {
+        got++;
+        PyErr_Format(PyExc_OverflowError, "copy_crc32c_gather: row %zd's seed is not a uint32",
+                     got - 1);
+        goto done;
+      }
+      if (overlaps(&srcs[got], &dst)) {
+        got++;
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c_gather: a src overlaps dst");
+        goto done;
+      }
+      total += srcs[got].len;
+    }
+  }
+#if SNAPSTORE_X86
+  {
+    const int64_t *t = (const int64_t *)table.buf;
+    uint32_t *out = (uint32_t *)crcs.buf;
+    char *d = (char *)dst.buf;
+    PyThreadState *ts = total >= RELEASE_MIN ? PyEval_SaveThread() : NULL;
+    for (i = 0; i < n; i++) {
+      char *to = d + t[2 * i];
+      out[i] = copy_crc((uint32_t)t[2 * i + 1], (const char *)srcs[i].buf, &to, 1,
+                        (size_t)srcs[i].len);
+    }
+    if (ts != NULL) {
+      PyEval_RestoreThread(ts);
+    }
+  }
+#endif
+  result = Py_NewRef(Py_None);
+done:
+  for (i = 0; i < got; i++) {
+    PyBuffer_Release(&srcs[i]);
+  }
+  PyMem_Free(srcs);
+  Py_XDECREF(seq);
+  if (held >= 3) PyBuffer_Release(&crcs);
+  if (held >= 2) PyBuffer_Release(&table);
+  PyBuffer_Release(&dst);
+  return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_crc32c", (PyCFunction)(void (*)(void))copy_crc32c, METH_FASTCALL,
      "copy_crc32c(crc, src, *dsts, /) -> int: copies src into every dst (same length,\n"
@@ -441,6 +568,11 @@ static PyMethodDef methods[] = {
      "(offset, length, seed) of table, copies src[offset:offset+length] to the same\n"
      "place in dst (as long as src, not overlapping it) and writes the crc32c of the\n"
      "bytes copied, continued from seed, to the uint32 crcs[row]."},
+    {"copy_crc32c_gather", (PyCFunction)(void (*)(void))copy_crc32c_gather, METH_FASTCALL,
+     "copy_crc32c_gather(dst, table, crcs, srcs, /) -> None: copies each buffer of\n"
+     "srcs to dst at its int64 row (offset, seed) of table (not overlapping dst) and\n"
+     "writes the crc32c of the bytes copied, continued from seed, to the uint32\n"
+     "crcs[row]."},
     {NULL, NULL, 0, NULL},
 };
 

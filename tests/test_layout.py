@@ -79,3 +79,21 @@ def test_a_shard_is_checked_against_its_device_not_trusted_by_position(mesh, mon
   for piece, data in addressable_pieces(0, arr):
     window = tuple(slice(a, b) for a, b in piece.index)
     np.testing.assert_array_equal(np.asarray(data), host[window])
+
+
+@pytest.mark.parametrize("shard_list", [True, False], ids=["jax-shard-list", "per-shard-calls"])
+def test_shards_of_a_mesh_in_any_device_order_hold_their_own_bytes(shard_list, monkeypatch):
+  """Devices in a shuffled order: each piece's data is its own region,
+  read from JAX's list of single-device arrays or shard by shard."""
+  from snapstore import _layout  # noqa: PLC0415
+  if not shard_list:
+    monkeypatch.setattr(_layout, "_shards", lambda arr: None)
+  order = np.random.default_rng(7).permutation(8)
+  mesh = Mesh(np.array(jax.devices()[:8])[order].reshape(4, 2), ("x", "y"))
+  host = np.arange(8 * 6, dtype=np.int32).reshape(8, 6)
+  arr = jax.device_put(host, NamedSharding(mesh, P("x", "y")))
+  got = addressable_pieces(0, arr)
+  assert len(got) == 8
+  for piece, data in got:
+    window = tuple(slice(a, b) for a, b in piece.index)
+    np.testing.assert_array_equal(np.asarray(data), host[window])

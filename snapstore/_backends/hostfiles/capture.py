@@ -27,7 +27,8 @@ import jax
 import numpy as np
 
 from ... import _faults, _group, _parity
-from ..._checksum import CACHE_BYTES, chunk_seeds, copy_crc, first_seed, piece_key
+from ..._checksum import (CACHE_BYTES, chunk_seeds, copy_crc, copy_crc_gather, first_seed,
+                          piece_key)
 from ..._index import Index, align, nbytes as index_nbytes, normalize
 from ..._layout import (LeafKind, LeafSpec, Piece, addressable_data, addressable_pieces,
                          batches, filled, piece_of)
@@ -307,8 +308,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
             for src, at, a, b, seed, more in batch]
 
   def copy_small(batch: list[Small]) -> list[int]:
-    # (per piece: a slice and a checked copy)
-    return [copy_crc(dst[at:at + src.nbytes], src, seed) for src, at, seed in batch]
+    return copy_crc_gather(dst, batch)  # (one call: no Python a piece in the copy)
 
   chunks: list[Chunk] = []
   per_piece: list[tuple[int, int]] = []  # (which piece, its chunks) of each big piece
