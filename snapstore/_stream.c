@@ -330,6 +330,39 @@ static int is_uint32(const Py_buffer *b) {
   return b->itemsize == 4 && strcmp(f, "I") == 0;
 }
 
+/* Acquires table (int64 rows of cols) and crcs (one uint32 a row, not
+ * overlapping table) for name; returns the row count, or -1 with an
+ * exception set and neither held. */
+static Py_ssize_t get_rows(PyObject *const *args, int cols, Py_buffer *table, Py_buffer *crcs,
+                           const char *name) {
+  Py_ssize_t n;
+  if (PyObject_GetBuffer(args[0], table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    return -1;
+  }
+  if (PyObject_GetBuffer(args[1], crcs, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+    PyBuffer_Release(table);
+    return -1;
+  }
+  if (!is_int64(table) || table->len % (8 * cols) != 0) {
+    PyErr_Format(PyExc_TypeError, "%s: table must be int64 rows of %d", name, cols);
+    goto fail;
+  }
+  n = table->len / (8 * cols);
+  if (!is_uint32(crcs) || crcs->len != 4 * n) {
+    PyErr_Format(PyExc_TypeError, "%s: crcs must be %zd uint32", name, n);
+    goto fail;
+  }
+  if (overlaps(crcs, table)) {
+    PyErr_Format(PyExc_ValueError, "%s: crcs overlaps table", name);
+    goto fail;
+  }
+  return n;
+fail:
+  PyBuffer_Release(crcs);
+  PyBuffer_Release(table);
+  return -1;
+}
+
 /* copy_crc32c_many(src, dst, table, crcs): for each row i of table (int64
  * rows of (offset, length, seed)), copies src[offset:offset+length] to the
  * same place in dst and writes the crc32c of the bytes copied, continued
@@ -358,11 +391,8 @@ static PyObject *copy_crc32c_many(PyObject *self, PyObject *const *args, Py_ssiz
     goto done;
   }
   held = 2;
-  if (PyObject_GetBuffer(args[2], &table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-    goto done;
-  }
-  held = 3;
-  if (PyObject_GetBuffer(args[3], &crcs, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+  n = get_rows(args + 2, 3, &table, &crcs, "copy_crc32c_many");
+  if (n < 0) {
     goto done;
   }
   held = 4;
@@ -375,18 +405,8 @@ static PyObject *copy_crc32c_many(PyObject *self, PyObject *const *args, Py_ssiz
                  src.len);
     goto done;
   }
-  if (overlaps(&dst, &src) || overlaps(&crcs, &src) || overlaps(&crcs, &dst) ||
-      overlaps(&crcs, &table)) {
+  if (overlaps(&dst, &src) || overlaps(&crcs, &src) || overlaps(&crcs, &dst)) {
     PyErr_SetString(PyExc_ValueError, "copy_crc32c_many: buffers overlap");
-    goto done;
-  }
-  if (!is_int64(&table) || table.len % 24 != 0) {
-    PyErr_SetString(PyExc_TypeError, "copy_crc32c_many: table must be int64 rows of 3");
-    goto done;
-  }
-  n = table.len / 24;
-  if (!is_uint32(&crcs) || crcs.len != 4 * n) {
-    PyErr_Format(PyExc_TypeError, "copy_crc32c_many: crcs must be %zd uint32", n);
     goto done;
   }
   {
@@ -456,11 +476,9 @@ static PyObject *copy_crc32c_gather(PyObject *self, PyObject *const *args, Py_ss
     return NULL;
   }
   held = 1;
-  if (PyObject_GetBuffer(args[1], &table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-    goto done;
-  }
-  held = 2;
-  if (PyObject_GetBuffer(args[2], &crcs, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+  n = get_rows(args + 1, 2, &table, &crcs, "copy_crc32c_gather");
+  if (n < 0) {
+    n = 0;
     goto done;
   }
   held = 3;
@@ -468,16 +486,7 @@ static PyObject *copy_crc32c_gather(PyObject *self, PyObject *const *args, Py_ss
     PyErr_SetString(PyExc_TypeError, "copy_crc32c_gather: dst holds Python objects");
     goto done;
   }
-  if (!is_int64(&table) || table.len % 16 != 0) {
-    PyErr_SetString(PyExc_TypeError, "copy_crc32c_gather: table must be int64 rows of 2");
-    goto done;
-  }
-  n = table.len / 16;
-  if (!is_uint32(&crcs) || crcs.len != 4 * n) {
-    PyErr_Format(PyExc_TypeError, "copy_crc32c_gather: crcs must be %zd uint32", n);
-    goto done;
-  }
-  if (overlaps(&crcs, &dst) || overlaps(&crcs, &table)) {
+  if (overlaps(&crcs, &dst)) {
     PyErr_SetString(PyExc_ValueError, "copy_crc32c_gather: buffers overlap");
     goto done;
   }

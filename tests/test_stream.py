@@ -251,3 +251,56 @@ def test_saves_with_and_without_the_fused_copy_store_the_same_checksums(tmp_path
       mgr.close()
   assert checksums[True] == checksums[False]
   assert all(checksums[True].values())
+
+
+def test_copy_crc32c_gather_refuses_bad_sources_and_tables():
+  gather = _stream().copy_crc32c_gather
+  dst = np.zeros(100, np.uint8)
+  crcs = np.zeros(2, np.uint32)
+  srcs = [np.ones(40, np.uint8), np.ones(60, np.uint8)]
+  ok = np.array([[0, 7], [40, 9]], np.int64)
+  gather(dst, ok, crcs, srcs)
+  assert crcs.tolist() == [crc32c.crc32c(srcs[0], 7), crc32c.crc32c(srcs[1], 9)]
+  assert (dst == 1).all()
+  for table, err in [
+      (np.array([[0, 0], [41, 0]], np.int64), ValueError),    # the second past the end
+      (np.array([[-1, 0], [40, 0]], np.int64), ValueError),   # before the start
+      (np.array([[0, 2**32], [40, 0]], np.int64), OverflowError),
+      (np.array([[0, 0], [40, 0]], np.int32), TypeError),     # not int64
+      (np.array([[0, 0, 0], [40, 0, 0]], np.int64), TypeError)]:  # rows of 3
+    with pytest.raises(err):
+      gather(dst, table, crcs, srcs)
+  with pytest.raises(ValueError):  # a source for each row
+    gather(dst, ok, crcs, srcs[:1])
+  with pytest.raises(ValueError):  # a source overlapping dst
+    gather(dst, ok, crcs, [srcs[0], dst[:60]])
+  with pytest.raises(TypeError, match="Python objects"):
+    gather(dst, ok, crcs, [srcs[0], np.array([object()] * 60)])
+  with pytest.raises((BufferError, ValueError)):  # not contiguous
+    gather(dst, ok, crcs, [srcs[0], np.ones(120, np.uint8)[::2]])
+  with pytest.raises(TypeError):
+    gather(dst, ok, crcs, 5)
+  with pytest.raises(ValueError):  # crcs overlapping dst
+    gather(dst, np.array([[0, 0]], np.int64), dst[:4].view(np.uint32), [srcs[0][:4]])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "numpy"])
+def test_copy_crc_gather_copies_and_checksums_each_source(fused, monkeypatch):
+  if fused:
+    _stream()
+  monkeypatch.setattr(_checksum, "FUSED", fused)
+  rng = np.random.default_rng(11)
+  sizes = [0, 3, 4096, 65536 + 7, 100]
+  srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+  dst = np.full(200_000, 0xA5, np.uint8)
+  parts, at = [], 5
+  for src in srcs:
+    parts.append((src, at, int(rng.integers(0, 1 << 32))))
+    at += src.nbytes + 11  # gaps between them stay untouched
+  crcs = _checksum.copy_crc_gather(dst, parts)
+  assert crcs == [crc32c.crc32c(src, seed) for src, _, seed in parts]
+  written = np.zeros(dst.size, bool)
+  for src, a, _ in parts:
+    np.testing.assert_array_equal(dst[a:a + src.nbytes], src)
+    written[a:a + src.nbytes] = True
+  assert (dst[~written] == 0xA5).all()
