@@ -330,36 +330,48 @@ static int is_uint32(const Py_buffer *b) {
   return b->itemsize == 4 && strcmp(f, "I") == 0;
 }
 
-/* Acquires table (int64 rows of cols) and crcs (one uint32 a row, not
- * overlapping table) for name; returns the row count, or -1 with an
- * exception set and neither held. */
-static Py_ssize_t get_rows(PyObject *const *args, int cols, Py_buffer *table, Py_buffer *crcs,
+/* Takes a private copy of table (int64 rows of cols) into *rows (PyMem:
+ * the caller frees it) and acquires crcs (one uint32 a row); returns the row
+ * count, or -1 with an exception set, nothing held and nothing allocated.
+ * The rows are checked and used from the private copy only: the caller's
+ * table may be rewritten meanwhile (by a copy into a dst that overlaps it,
+ * by Python code a source's buffer export runs, by another thread while the
+ * GIL is released), and a row must not change between its check and its
+ * copy. */
+static Py_ssize_t get_rows(PyObject *const *args, int cols, int64_t **rows, Py_buffer *crcs,
                            const char *name) {
+  Py_buffer table;
   Py_ssize_t n;
-  if (PyObject_GetBuffer(args[0], table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+  *rows = NULL;
+  if (PyObject_GetBuffer(args[0], &table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
     return -1;
   }
-  if (PyObject_GetBuffer(args[1], crcs, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
-    PyBuffer_Release(table);
-    return -1;
-  }
-  if (!is_int64(table) || table->len % (8 * cols) != 0) {
+  if (!is_int64(&table) || table.len % (8 * cols) != 0) {
     PyErr_Format(PyExc_TypeError, "%s: table must be int64 rows of %d", name, cols);
+    PyBuffer_Release(&table);
+    return -1;
+  }
+  n = table.len / (8 * cols);
+  *rows = PyMem_Malloc(table.len > 0 ? (size_t)table.len : 1);
+  if (*rows == NULL) {
+    PyBuffer_Release(&table);
+    PyErr_NoMemory();
+    return -1;
+  }
+  memcpy(*rows, table.buf, (size_t)table.len);
+  PyBuffer_Release(&table);
+  if (PyObject_GetBuffer(args[1], crcs, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
     goto fail;
   }
-  n = table->len / (8 * cols);
   if (!is_uint32(crcs) || crcs->len != 4 * n) {
     PyErr_Format(PyExc_TypeError, "%s: crcs must be %zd uint32", name, n);
-    goto fail;
-  }
-  if (overlaps(crcs, table)) {
-    PyErr_Format(PyExc_ValueError, "%s: crcs overlaps table", name);
+    PyBuffer_Release(crcs);
     goto fail;
   }
   return n;
 fail:
-  PyBuffer_Release(crcs);
-  PyBuffer_Release(table);
+  PyMem_Free(*rows);
+  *rows = NULL;
   return -1;
 }
 
@@ -369,7 +381,8 @@ fail:
  * from seed, to crcs[i]. One call for a run of small pieces: no Python per
  * piece. */
 static PyObject *copy_crc32c_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  Py_buffer src, dst, table, crcs;
+  Py_buffer src, dst, crcs;
+  int64_t *t = NULL; /* the private copy of the table's rows */
   int held = 0;
   Py_ssize_t n, i, total = 0;
   PyObject *result = NULL;
@@ -391,7 +404,7 @@ static PyObject *copy_crc32c_many(PyObject *self, PyObject *const *args, Py_ssiz
     goto done;
   }
   held = 2;
-  n = get_rows(args + 2, 3, &table, &crcs, "copy_crc32c_many");
+  n = get_rows(args + 2, 3, &t, &crcs, "copy_crc32c_many");
   if (n < 0) {
     goto done;
   }
@@ -409,26 +422,24 @@ static PyObject *copy_crc32c_many(PyObject *self, PyObject *const *args, Py_ssiz
     PyErr_SetString(PyExc_ValueError, "copy_crc32c_many: buffers overlap");
     goto done;
   }
-  {
-    const int64_t *t = (const int64_t *)table.buf;
-    for (i = 0; i < n; i++) {
-      int64_t at = t[3 * i], len = t[3 * i + 1], seed = t[3 * i + 2];
-      if (at < 0 || len < 0 || at > src.len || len > src.len - at) {
-        PyErr_Format(PyExc_ValueError,
-                     "copy_crc32c_many: row %zd (%lld, %lld) is outside the %zd bytes", i,
-                     (long long)at, (long long)len, src.len);
-        goto done;
-      }
-      if (seed < 0 || seed > 0xffffffffll) {
-        PyErr_Format(PyExc_OverflowError, "copy_crc32c_many: row %zd's seed is not a uint32", i);
-        goto done;
-      }
-      total += len;
+  for (i = 0; i < n; i++) {
+    int64_t at = t[3 * i], len = t[3 * i + 1], seed = t[3 * i + 2];
+    if (at < 0 || len < 0 || at > src.len || len > src.len - at) {
+      PyErr_Format(PyExc_ValueError,
+                   "copy_crc32c_many: row %zd (%lld, %lld) is outside the %zd bytes", i,
+                   (long long)at, (long long)len, src.len);
+      goto done;
+    }
+    if (seed < 0 || seed > 0xffffffffll) {
+      PyErr_Format(PyExc_OverflowError, "copy_crc32c_many: row %zd's seed is not a uint32", i);
+      goto done;
+    }
+    if (total < RELEASE_MIN) {
+      total += len; /* (only compared with RELEASE_MIN: no overflow) */
     }
   }
 #if SNAPSTORE_X86
   {
-    const int64_t *t = (const int64_t *)table.buf;
     uint32_t *out = (uint32_t *)crcs.buf;
     const char *s = (const char *)src.buf;
     char *d = (char *)dst.buf;
@@ -444,8 +455,10 @@ static PyObject *copy_crc32c_many(PyObject *self, PyObject *const *args, Py_ssiz
 #endif
   result = Py_NewRef(Py_None);
 done:
-  if (held >= 4) PyBuffer_Release(&crcs);
-  if (held >= 3) PyBuffer_Release(&table);
+  if (held >= 4) {
+    PyBuffer_Release(&crcs);
+    PyMem_Free(t);
+  }
   if (held >= 2) PyBuffer_Release(&dst);
   PyBuffer_Release(&src);
   return result;
@@ -455,9 +468,12 @@ done:
  * sequence srcs, copies it to dst[offset:offset+len(src)] (table: int64
  * rows of (offset, seed)) and writes the crc32c of the bytes copied,
  * continued from seed, to crcs[i]. One call for many small pieces (a save's
- * shards): no Python per piece. */
+ * shards): no Python per piece. Rows whose places overlap in dst are the
+ * caller's to avoid: a later copy would overwrite bytes an earlier crc
+ * covers (memory stays safe). */
 static PyObject *copy_crc32c_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  Py_buffer dst, table, crcs, *srcs = NULL;
+  Py_buffer dst, crcs, *srcs = NULL;
+  int64_t *t = NULL; /* the private copy of the table's rows */
   PyObject *seq = NULL, *result = NULL;
   int held = 0;
   Py_ssize_t n = 0, got = 0, i, total = 0;
@@ -476,7 +492,7 @@ static PyObject *copy_crc32c_gather(PyObject *self, PyObject *const *args, Py_ss
     return NULL;
   }
   held = 1;
-  n = get_rows(args + 1, 2, &table, &crcs, "copy_crc32c_gather");
+  n = get_rows(args + 1, 2, &t, &crcs, "copy_crc32c_gather");
   if (n < 0) {
     n = 0;
     goto done;
@@ -490,13 +506,15 @@ static PyObject *copy_crc32c_gather(PyObject *self, PyObject *const *args, Py_ss
     PyErr_SetString(PyExc_ValueError, "copy_crc32c_gather: buffers overlap");
     goto done;
   }
-  seq = PySequence_Fast(args[3], "copy_crc32c_gather: srcs must be a sequence");
+  /* A tuple: its items cannot change or go away while a source's buffer
+   * export runs Python code (a list's could). */
+  seq = PySequence_Tuple(args[3]);
   if (seq == NULL) {
     goto done;
   }
-  if (PySequence_Fast_GET_SIZE(seq) != n) {
+  if (PyTuple_GET_SIZE(seq) != n) {
     PyErr_Format(PyExc_ValueError, "copy_crc32c_gather: %zd srcs for %zd rows",
-                 PySequence_Fast_GET_SIZE(seq), n);
+                 PyTuple_GET_SIZE(seq), n);
     goto done;
   }
   srcs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
@@ -504,43 +522,42 @@ static PyObject *copy_crc32c_gather(PyObject *self, PyObject *const *args, Py_ss
     PyErr_NoMemory();
     goto done;
   }
-  {
-    const int64_t *t = (const int64_t *)table.buf;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (; got < n; got++) {
-      int64_t at = t[2 * got], seed = t[2 * got + 1];
-      if (PyObject_GetBuffer(items[got], &srcs[got], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        goto done;
-      }
-      if (holds_objects(&srcs[got])) {
-        got++;
-        PyErr_SetString(PyExc_TypeError, "copy_crc32c_gather: a src holds Python objects");
-        goto done;
-      }
-      if (at < 0 || at > dst.len || srcs[got].len > dst.len - at) {
-        got++;
-        PyErr_Format(PyExc_ValueError,
-                     "copy_crc32c_gather: row %zd: %zd bytes at %lld are outside the %zd bytes",
-                     got - 1, srcs[got - 1].len, (long long)at, dst.len);
-        goto done;
-      }
-      if (seed < 0 || seed > 0xffffffffll) {
-        got++;
-        PyErr_Format(PyExc_OverflowError, "copy_crc32c_gather: row %zd's seed is not a uint32",
-                     got - 1);
-        goto done;
-      }
-      if (overlaps(&srcs[got], &dst)) {
-        got++;
-        PyErr_SetString(PyExc_ValueError, "copy_crc32c_gather: a src overlaps dst");
-        goto done;
-      }
-      total += srcs[got].len;
+  /* Every source acquired first (exports may run Python code), then every
+   * row checked against them: no Python runs between a check and its copy. */
+  for (; got < n; got++) {
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, got), &srcs[got],
+                           PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+      goto done;
+    }
+    if (holds_objects(&srcs[got])) {
+      got++;
+      PyErr_SetString(PyExc_TypeError, "copy_crc32c_gather: a src holds Python objects");
+      goto done;
+    }
+    if (overlaps(&srcs[got], &dst)) {
+      got++;
+      PyErr_SetString(PyExc_ValueError, "copy_crc32c_gather: a src overlaps dst");
+      goto done;
+    }
+  }
+  for (i = 0; i < n; i++) {
+    int64_t at = t[2 * i], seed = t[2 * i + 1];
+    if (at < 0 || at > dst.len || srcs[i].len > dst.len - at) {
+      PyErr_Format(PyExc_ValueError,
+                   "copy_crc32c_gather: row %zd: %zd bytes at %lld are outside the %zd bytes",
+                   i, srcs[i].len, (long long)at, dst.len);
+      goto done;
+    }
+    if (seed < 0 || seed > 0xffffffffll) {
+      PyErr_Format(PyExc_OverflowError, "copy_crc32c_gather: row %zd's seed is not a uint32", i);
+      goto done;
+    }
+    if (total < RELEASE_MIN) {
+      total += srcs[i].len; /* (only compared with RELEASE_MIN: no overflow) */
     }
   }
 #if SNAPSTORE_X86
   {
-    const int64_t *t = (const int64_t *)table.buf;
     uint32_t *out = (uint32_t *)crcs.buf;
     char *d = (char *)dst.buf;
     PyThreadState *ts = total >= RELEASE_MIN ? PyEval_SaveThread() : NULL;
@@ -561,8 +578,10 @@ done:
   }
   PyMem_Free(srcs);
   Py_XDECREF(seq);
-  if (held >= 3) PyBuffer_Release(&crcs);
-  if (held >= 2) PyBuffer_Release(&table);
+  if (held >= 3) {
+    PyBuffer_Release(&crcs);
+    PyMem_Free(t);
+  }
   PyBuffer_Release(&dst);
   return result;
 }

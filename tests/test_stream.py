@@ -304,3 +304,47 @@ def test_copy_crc_gather_copies_and_checksums_each_source(fused, monkeypatch):
     np.testing.assert_array_equal(dst[a:a + src.nbytes], src)
     written[a:a + src.nbytes] = True
   assert (dst[~written] == 0xA5).all()
+
+
+def test_a_row_cannot_change_between_its_check_and_its_copy():
+  """Found by a red team: the rows were checked, then read again from the
+  caller's table, which the copy itself (a table inside dst), a source's
+  buffer export, or another thread could rewrite in between, so a row
+  that passed could write past dst. Now they are checked and used from a
+  private copy: nothing is written outside dst."""
+  many, gather = _stream().copy_crc32c_many, _stream().copy_crc32c_gather
+  n = 4096
+  big, srcbig = np.zeros(2 * n, np.uint8), np.zeros(2 * n, np.uint8)
+  dst, src = big[:n], srcbig[:n]
+  srcbig[n + 100:n + 108] = 0xEE
+  table = big[:48].view(np.int64).reshape(2, 3)  # inside dst
+  table[0], table[1] = (24, 24, 0), (0, 0, 0)    # row 0 copies over row 1
+  src[24:48].view(np.int64)[:] = (n + 100, 8, 0)
+  many(src, dst, table, np.zeros(2, np.uint32))
+  assert not big[n:].any(), "written past dst"
+  rows = big[:32].view(np.int64).reshape(2, 2)
+  rows[0], rows[1] = (16, 0), (0, 0)  # source 0 lands on row 1
+  gather(dst, rows, np.zeros(2, np.uint32),
+         [np.array([n + 100, 0], np.int64).view(np.uint8), np.full(8, 0xEE, np.uint8)])
+  assert not big[n:].any(), "written past dst"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="__buffer__ is Python 3.12's")
+def test_a_source_whose_export_runs_python_cannot_move_rows_or_sources():
+  gather = _stream().copy_crc32c_gather
+  n = 4096
+  big = np.zeros(2 * n, np.uint8)
+  dst = big[:n]
+  table = np.array([(0, 0), (8, 0)], np.int64)
+  srcs: list = []
+
+  class Rewrites:
+    def __buffer__(self, flags):
+      table[0, 0] = n + 100  # row 0's place, after it would have been checked
+      srcs.clear()           # and the list of sources
+      return memoryview(bytearray(8))
+  srcs += [np.full(8, 0xEE, np.uint8), Rewrites()]
+  crcs = np.zeros(2, np.uint32)
+  gather(dst, table, crcs, srcs)
+  assert not big[n:].any(), "written past dst"
+  assert (dst[:8] == 0xEE).all() and crcs[0] == crc32c.crc32c(bytes([0xEE] * 8), 0)
