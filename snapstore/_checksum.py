@@ -225,13 +225,6 @@ def first_seed(path: str, index: Sequence[Sequence[int]]) -> int:
   return chunk_seed(piece_key(path, index), 0)
 
 
-def one_chunk_crc(part: np.ndarray, seed: int) -> int:
-  """crc32c of ``part`` (flat uint8, a small piece's one chunk) from
-  ``seed``. The GIL stays held: for a small part, handing it to another
-  thread and back costs more than the crc (which runs at ~20 GB/s)."""
-  return crc32c.crc32c(part, seed, 0)
-
-
 def crc_matches(buf: np.ndarray, crcs: Sequence[int], *, chunk_bytes: int, key: bytes,
                 pool: futures.Executor | None = None) -> bool:
   """True if every chunk of ``buf`` matches its recorded crc32c."""

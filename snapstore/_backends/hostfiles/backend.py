@@ -21,12 +21,12 @@ import jax
 import numpy as np
 
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import (ChecksumKind, copy_crc, copy_crc_many, copy_verified, crc_matches,
-                          first_seed, one_chunk_crc, piece_key)
+from ..._checksum import (ChecksumKind, copy_crc_many, copy_verified, crc_matches, first_seed,
+                          piece_key)
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
 from ..._manifest import Manifest, piece_row, split_parity
-from ... import _checksum, _group, _parity
+from ... import _group, _parity
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ...options import SnapshotOptions, StoreKind
@@ -192,10 +192,9 @@ class HostFilesBackend(DomainStores):
   def fetch_run(self, plan: StepPlan, copies: Sequence[Copy], out: np.ndarray
                 ) -> list[Any]:
     """Consecutive copies of one slot (see :meth:`.._assemble.PieceSource.fetch_run`)
-    into ``out``, each piece checked as it is copied: one call for the whole
-    run where :mod:`.._stream` is built (:func:`.._checksum.copy_crc_many`,
-    no Python a piece but its row and its view); else the span in one numpy
-    copy, then each piece's crc32c on it while it is hot in cache."""
+    into ``out``, each piece checked as it is copied
+    (:func:`.._checksum.copy_crc_many`: one call for the whole run where
+    :mod:`.._stream` is built, no Python a piece but its row and its view)."""
     first, last = copies[0], copies[-1]
     start = first.record.offset
     try:
@@ -218,12 +217,7 @@ class HostFilesBackend(DomainStores):
             and rec.nbytes <= chunk_bytes)
       usable.append(ok)
       rows += (rec.offset - start, rec.nbytes if ok else 0, first_seed(path, rec.index))
-    if _checksum.FUSED:
-      crcs = copy_crc_many(span, out, rows)
-    else:
-      np.copyto(out, span)
-      crcs = [one_chunk_crc(out[a: a + n], seed)
-              for a, n, seed in zip(rows[::3], rows[1::3], rows[2::3])]
+    crcs = copy_crc_many(span, out, rows)
     got: list[Any] = []
     leaf = None
     for rec, ok, crc, at in zip(recs, usable, crcs, rows[::3]):
