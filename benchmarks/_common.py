@@ -208,6 +208,46 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
                              median_seconds(restore_two, repeats))}
 
 
+def jax_floor(state: Any, repeats: int = 5) -> dict[str, float]:
+  """Median seconds of JAX's own per-shard cost in this process, nothing
+  else: ``hold_s``, a numpy view of every addressable shard (the hold that
+  keeps XLA from donating a buffer while a save reads it; on CPU a view
+  costs what a copy of a small shard does); ``place_s``, every leaf placed
+  from host buffers already filled (JAX's batched put, zero-copy on CPU:
+  what a restore must end in). Any store that checks the bytes it saves and
+  restores pays these plus its copies, so the few-leaves time plus the
+  difference of these floors bounds the many-leaves time from below."""
+  import jax  # noqa: PLC0415
+
+  from snapstore._assemble import _place_host, _wanted  # noqa: PLC0415
+  from snapstore._arena import host_arena  # noqa: PLC0415
+  from snapstore._index import align, nbytes as index_nbytes, shape_of  # noqa: PLC0415
+  from snapstore._layout import leaf_spec  # noqa: PLC0415
+  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+  specs = [leaf_spec(f"w{i}", x) for i, x in enumerate(leaves)]
+  shards = [s.data for x in leaves for s in x.addressable_shards]
+  wanted = [_wanted(x.sharding, tuple(x.shape)) for x in leaves]
+  total = sum(align(index_nbytes(i, x.dtype.itemsize)) for x, w in zip(leaves, wanted)
+              for _, i in w)
+  arena, at, parts = host_arena(total), 0, []
+  for x, w in zip(leaves, wanted):
+    parts.append([])
+    for _, index in w:
+      n = index_nbytes(index, x.dtype.itemsize)
+      parts[-1].append(arena[at:at + n].view(x.dtype).reshape(shape_of(index)))
+      at += align(n)
+  arena[:] = 1  # touched, as a restore's copies leave it
+
+  def place() -> None:
+    jax.block_until_ready([_place_host(spec, x.sharding, w, p)
+                           for x, spec, w, p in zip(leaves, specs, wanted, parts)])
+
+  hold = lambda: list(map(np.asarray, shards))  # noqa: E731
+  hold()
+  place()
+  return {"hold_s": median_seconds(hold, repeats), "place_s": median_seconds(place, repeats)}
+
+
 def ram_dir(prefix: str) -> Path:
   base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
   return Path(tempfile.mkdtemp(prefix=prefix, dir=base))

@@ -32,7 +32,13 @@ devices (a 2x4 mesh, float32 leaves of ~16 MB sharded over all devices):
   and ``restore_vs_memcpy``;
 * ``many_leaves``: the same, with the same bytes split over
   ``--many-leaves`` leaves (default 500), and its times over the few-leaves
-  case's (per-leaf Python cost shows there), the floor's too.
+  case's (per-leaf Python cost shows there), the floor's too;
+* ``jax_floor``: JAX's own per-shard cost alone (``_common.jax_floor``: a
+  numpy view of every shard, the hold a save needs; every leaf placed from
+  filled host buffers, what a restore ends in), and in ``vs_few_leaves`` the
+  ``jax_bound_*`` ratios: the few-leaves time plus the many leaves' extra
+  JAX cost, over the few-leaves time, the least any store that holds and
+  places each shard could show.
 
 Ratios to memcpy are the headline: they are measured side by side.
 """
@@ -44,7 +50,7 @@ import time
 from collections.abc import Sequence
 
 from benchmarks._common import (FullCollections, Memcpy, calibrated_step, checked_floor,
-                                cleanup, emit, make_state, piecewise_floor, ram_dir,
+                                cleanup, emit, jax_floor, make_state, piecewise_floor, ram_dir,
                                 setup_cpu_devices, upper_median)
 
 
@@ -93,6 +99,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
 
       save_s = upper_median(totals)
       floor = piecewise_floor(state, repeats)
+      jax_cost = jax_floor(state, repeats)
       checked = checked_floor(state, repeats, memcpy)
       fn, x, iters = calibrated_step(state, sharding, save_s * step_factor)
       state, _ = fn(state, x, iters)
@@ -129,8 +136,22 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       "over_floor": {"save_complete_s": save_s / floor["save_s"],
                      "restore_s": restore_s / floor["restore_s"]},
       "checked_floor": checked,
+      "jax_floor": jax_cost,
       "gc_saves": gc_saves, "gc_full_collections": gcs.count, "gc_full_seconds": gcs.seconds,
   }
+
+
+def jax_bound(few: dict, many: dict) -> dict[str, float]:
+  """The least ``vs_few_leaves`` any checked store could show here: the
+  few-leaves time plus what JAX alone adds for the many leaves' shards
+  (``jax_floor``: a hold a shard at save, a placed shard at restore), over
+  the few-leaves time."""
+  def bound(key: str, floor: str) -> float:
+    extra = max(0.0, many["jax_floor"][floor] - few["jax_floor"][floor])
+    return (few[key] + extra) / few[key]
+  return {"jax_bound_save_complete_s": bound("save_complete_s", "hold_s"),
+          "jax_bound_save_return_s": bound("save_return_s", "hold_s"),
+          "jax_bound_restore_s": bound("restore_s", "place_s")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "restore_first_s")}
       row["vs_few_leaves"].update({f"floor_{k}": row["floor"][k] / rows[-1]["floor"][k]
                                    for k in row["floor"]})
+      row["vs_few_leaves"].update(jax_bound(rows[-1], row))
       many.append(row)
   emit("capture", {"sizes": rows, "many_leaves": many}, args.out)
   return 0

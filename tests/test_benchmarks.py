@@ -31,10 +31,12 @@ def test_capture_benchmark_smoke(tmp_path, capsys):
   assert many["leaves"] == 64 and many["leaves"] > row["leaves"]
   _positive(*many["vs_few_leaves"].values())
   for r in (row, many):
-    _positive(*r["floor"].values(), *r["over_floor"].values(),
+    _positive(*r["floor"].values(), *r["over_floor"].values(), *r["jax_floor"].values(),
               r["checked_floor"]["seconds"], r["checked_floor"]["vs_memcpy"])
     assert r["checked_floor"]["threads"] in (1, 2)
   assert {"floor_save_s", "floor_restore_s"} <= set(many["vs_few_leaves"])
+  bounds = {k: v for k, v in many["vs_few_leaves"].items() if k.startswith("jax_bound_")}
+  assert len(bounds) == 3 and all(v >= 1.0 for v in bounds.values()), bounds
   _positive(*(row[k] for k in ("memcpy_gbps", "save_gbps", "save_vs_memcpy", "restore_gbps",
                                "restore_vs_memcpy", "step_s_plain", "step_s_snapshot")))
   assert math.isfinite(row["step_overhead"])

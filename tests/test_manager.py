@@ -399,6 +399,35 @@ def test_capture_and_drain_pause_the_collector_and_put_it_back(trainer, store_di
     (gc.enable if was else gc.disable)()
 
 
+@pytest.mark.parametrize("pause", [True, False])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_restore_pauses_the_collector_while_it_reads_and_puts_it_back(trainer, store_dir,
+                                                                       pause, enabled):
+  """While a restore assembles a snapshot, the cyclic collector is off
+  (``pause_gc``); afterwards, restored or not, it is as the program had it."""
+  import gc
+
+  seen = []
+  was = gc.isenabled()
+  try:
+    (gc.enable if enabled else gc.disable)()
+    with snapstore.SnapshotManager(opts(store_dir, pause_gc=pause)) as mgr:
+      state = trainer.init_state()
+      mgr.save(1, state)
+      mgr.wait_until_finished()
+      assemble = mgr._peers.assemble
+      mgr._peers.assemble = lambda *a: (seen.append(gc.isenabled()), assemble(*a))[1]
+      got = mgr.restore(trainer.abstract_state())
+      assert gc.isenabled() == enabled
+      assert_bitwise_equal(state, got.state)
+      with pytest.raises(snapstore.StepNotFoundError):
+        mgr.restore(trainer.abstract_state(), step=7)
+      assert gc.isenabled() == enabled
+    assert seen == [enabled and not pause]
+  finally:
+    (gc.enable if was else gc.disable)()
+
+
 def test_the_collector_pause_is_shared_and_never_undoes_another_change():
   import gc
 
