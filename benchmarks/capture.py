@@ -19,7 +19,8 @@ devices (a 2x4 mesh, float32 leaves of ~16 MB sharded over all devices):
   snapshots, with a step that takes ~10x the copy (a matmul chain);
 * ``gc_full_collections`` / ``gc_full_seconds``: Python's full garbage
   collections during ``gc_saves`` saves in a row (the first ``--repeats`` of
-  them are the timed saves);
+  them are the timed saves); ``gc_restore_full_collections``: those during
+  the timed restores;
 * ``floor``: the least a store written in Python pays per piece here,
   unchecked (``_common.piecewise_floor``: a view and a copy a piece; a copy
   a piece and JAX's batched put a leaf), and ``over_floor``, save complete
@@ -89,11 +90,12 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       restore_first_s = time.perf_counter() - t
       save_memcpy_s = memcpy.median_since(0)
       restores = []
-      for _ in range(repeats):
-        memcpy.sample()
-        t = time.perf_counter()
-        jax.block_until_ready(mgr.restore(abstract).state)
-        restores.append(time.perf_counter() - t)
+      with FullCollections() as restore_gcs:
+        for _ in range(repeats):
+          memcpy.sample()
+          t = time.perf_counter()
+          jax.block_until_ready(mgr.restore(abstract).state)
+          restores.append(time.perf_counter() - t)
       restore_s = upper_median(restores)
       restore_memcpy_s = memcpy.median_since(repeats)
 
@@ -138,6 +140,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       "checked_floor": checked,
       "jax_floor": jax_cost,
       "gc_saves": gc_saves, "gc_full_collections": gcs.count, "gc_full_seconds": gcs.seconds,
+      "gc_restore_full_collections": restore_gcs.count,
   }
 
 

@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from snapstore import SnapshotManager, SnapshotOptions, StoreKind, _checksum
 from tests.helpers import assert_bitwise_equal, host_copy
 
-SIZES = [0, 1, 7, 8, 9, 23, 24, 25, 255, 256, 257, 4095, 4096, 4097, 65536 + 5, (1 << 20) + 13]
+SIZES = [0, 1, 7, 8, 9, 23, 24, 25, 255, 256, 257, 4095, 4096, 4097, 6143, 12288 + 23,
+         65536 + 5, (1 << 20) + 13]
 
 
 def _stream():
@@ -211,6 +212,52 @@ def test_the_crc_is_of_the_bytes_written_while_the_source_changes(fused, monkeyp
   finally:
     stop.set()
     t.join()
+
+
+@pytest.mark.parametrize("ndst", [2, 3])
+def test_every_destination_gets_the_bytes_checked_while_the_source_changes(ndst):
+  """Two or more destinations (twins) pass through one bounce buffer: while
+  another thread rewrites the source, every destination still gets the same
+  bytes, and the crc32c returned is theirs."""
+  copy_crc32c = _stream().copy_crc32c
+  n = 8 << 20
+  src = np.zeros(n + 64, np.uint8)[64 - 16:64 - 16 + n]  # (a page offset JAX's buffers have)
+  dsts = [np.empty(n, np.uint8) for _ in range(ndst)]
+  stop = threading.Event()
+
+  def scribble():
+    rng = np.random.default_rng(1)
+    while not stop.is_set():
+      at = int(rng.integers(0, n - 4096))
+      src[at:at + 4096] ^= 0xFF
+  t = threading.Thread(target=scribble)
+  t.start()
+  try:
+    for i in range(20):
+      crc = copy_crc32c(i, src, *dsts)
+      assert crc == crc32c.crc32c(dsts[0], i)
+      for d in dsts[1:]:
+        assert np.array_equal(d, dsts[0])
+  finally:
+    stop.set()
+    t.join()
+
+
+@pytest.mark.parametrize("src_page_at", [0, 64, 4032])
+def test_two_destinations_copy_exactly_at_the_page_offsets_that_alias(src_page_at):
+  """The page offsets where streaming two destinations straight from the
+  source ran 50x slower (4K aliasing; see ``three_n`` in _stream.c): the
+  copy through the bounce buffer is exact there too."""
+  copy_crc32c = _stream().copy_crc32c
+  n = 1 << 20
+  raw = np.random.default_rng(src_page_at).integers(0, 256, n + 8192, dtype=np.uint8)
+  base = (-raw.ctypes.data) % 4096
+  src = raw[base + src_page_at: base + src_page_at + n]
+  bufs = [np.zeros(n + 8192, np.uint8) for _ in range(2)]
+  dsts = [b[(-b.ctypes.data) % 4096:][:n] for b in bufs]
+  assert copy_crc32c(5, src, *dsts) == crc32c.crc32c(src, 5)
+  for d in dsts:
+    np.testing.assert_array_equal(d, src)
 
 
 def _state(step: int):
