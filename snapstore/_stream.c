@@ -15,7 +15,9 @@
  * The crc32c runs as three independent streams over the three thirds of a
  * buffer (the crc32 instruction has a latency of three cycles and a
  * throughput of one), joined with zlib's crc32_combine (multiplication
- * modulo the polynomial).
+ * modulo the polynomial). With two or more destinations (a piece and its
+ * twins) each word goes from the register into a bounce buffer in L1 and
+ * is streamed from there to every destination (see three_n: 4K aliasing).
  *
  * x86-64 with SSE4.2 only (FUSED == 1); elsewhere snapstore copies with numpy
  * and checksums with the crc32c package (the same bytes and the same crc).
