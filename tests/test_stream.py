@@ -4,6 +4,7 @@ copy and the crc32c package, with or without the extension."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import shutil
 import sys
@@ -197,18 +198,25 @@ def test_the_crc_is_of_the_bytes_written_while_the_source_changes(fused, monkeyp
   n = 8 << 20
   src = np.zeros(n, np.uint8)
   dst = np.empty(n, np.uint8)
+  with _scribbled(src, seed=0):
+    for i in range(40 if fused else 4):  # (numpy's parts wait for the GIL the scribbler holds)
+      assert _checksum.copy_crc(dst, src, i) == crc32c.crc32c(dst, i)
+
+
+@contextlib.contextmanager
+def _scribbled(src: np.ndarray, *, seed: int):
+  """While the block runs, another thread flips 4 KiB of ``src`` at a time."""
   stop = threading.Event()
 
   def scribble():
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     while not stop.is_set():
-      at = int(rng.integers(0, n - 4096))
+      at = int(rng.integers(0, src.size - 4096))
       src[at:at + 4096] ^= 0xFF
   t = threading.Thread(target=scribble)
   t.start()
   try:
-    for i in range(40 if fused else 4):  # (numpy's parts wait for the GIL the scribbler holds)
-      assert _checksum.copy_crc(dst, src, i) == crc32c.crc32c(dst, i)
+    yield
   finally:
     stop.set()
     t.join()
@@ -223,24 +231,12 @@ def test_every_destination_gets_the_bytes_checked_while_the_source_changes(ndst)
   n = 8 << 20
   src = np.zeros(n + 64, np.uint8)[64 - 16:64 - 16 + n]  # (a page offset JAX's buffers have)
   dsts = [np.empty(n, np.uint8) for _ in range(ndst)]
-  stop = threading.Event()
-
-  def scribble():
-    rng = np.random.default_rng(1)
-    while not stop.is_set():
-      at = int(rng.integers(0, n - 4096))
-      src[at:at + 4096] ^= 0xFF
-  t = threading.Thread(target=scribble)
-  t.start()
-  try:
+  with _scribbled(src, seed=1):
     for i in range(20):
       crc = copy_crc32c(i, src, *dsts)
       assert crc == crc32c.crc32c(dsts[0], i)
       for d in dsts[1:]:
         assert np.array_equal(d, dsts[0])
-  finally:
-    stop.set()
-    t.join()
 
 
 @pytest.mark.parametrize("src_page_at", [0, 64, 4032])
