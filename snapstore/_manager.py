@@ -256,6 +256,17 @@ class SnapshotManager:
     persistent_steps = [s for s in (self.persistent.committed_steps() if self.persistent
                                     else []) if step is None or s == step]
     timings["scan_persistent"] = time.perf_counter() - t
+    values = (max([self._newest_step] + [m.step for m in local]), self.incarnation,
+              -(persistent_steps[-1] if persistent_steps else -1))
+    exchange = ""
+    if self._peers.multi_host:
+      sparse = self._restore_sparse(local, target_specs, targets, treedef, step,
+                                    persistent_steps, values, notes, timings, t0)
+      if isinstance(sparse, RestoreResult):
+        return sparse
+      exchange = f"full: {sparse}"
+      notes.append(f"every host's manifests are exchanged: {sparse}")
+      logger.info(notes[-1])
     t = time.perf_counter()
     # Every store's manifests; with them, in the same exchange, one
     # incarnation for everyone from here (a replacement that joined a
@@ -264,8 +275,7 @@ class SnapshotManager:
     # newest-commit: commits only grow), so every process picks the same
     # source.
     manifests, (newest, self.incarnation, neg_latest) = self._peers.gather_manifests(
-        local, (max([self._newest_step] + [m.step for m in local]), self.incarnation,
-                -(persistent_steps[-1] if persistent_steps else -1)))
+        local, values)
     persistent_steps = [s for s in persistent_steps if s <= -neg_latest]
     timings["scan_exchange"] = time.perf_counter() - t
     timings["scan"] = time.perf_counter() - t0
@@ -305,13 +315,51 @@ class SnapshotManager:
         result = self._report(RestoreResult(
             step=plan.step, state=jax.tree_util.tree_unflatten(treedef, got.leaves),
             extra=copy_extra(plan.extra), source=Source.SNAPSHOT, rewind_steps=newest - plan.step,
-            newest_step=newest, bytes_read=read, timings=timings, notes=tuple(notes)))
+            newest_step=newest, bytes_read=read, timings=timings, notes=tuple(notes),
+            exchange=exchange))
         self._branch_from(result.step, manifests)
         return result
     notes.extend(reasons[:1])  # why the freshest snapshot step was not usable
     result = self._restore_persistent(step, persistent_steps, target_specs, targets,
-                                      treedef, newest, notes, timings, t0)
+                                      treedef, newest, notes, timings, t0, exchange)
     self._branch_from(result.step, manifests)
+    return result
+
+  def _restore_sparse(self, local: Sequence[Any], target_specs: list[LeafSpec],
+                      targets: list[Any], treedef: Any, step: int | None,
+                      persistent_steps: list[int], values: tuple[int, int, int],
+                      notes: list[str], timings: dict[str, float], t0: float
+                      ) -> RestoreResult | str:
+    """A multi-host restore from each host's own metadata
+    (:meth:`._peers.Distributed.restore`); or why every host's manifests
+    must be exchanged instead."""
+    with _switch.collections_paused(self.options.pause_gc):
+      got = self._peers.restore(self.backend, self._arenas, local, target_specs, targets,
+                                step=step, slots=max(self.options.keep, 1), values=values,
+                                persistent_steps=persistent_steps)
+    self.incarnation = got.incarnation
+    timings.update(got.timings)
+    timings["scan"] = timings["scan_persistent"] + timings["scan_exchange"]
+    notes.extend(got.notes)
+    if got.fallback is not None:
+      return got.fallback
+    persistent_steps = [s for s in persistent_steps if s <= got.persistent_latest]
+    if got.plan is not None:
+      plan = got.plan
+      timings["read"] = sum(timings.get(k, 0.0) for k in ("read_verify", "read_agree",
+                                                          "read_place"))
+      timings["total"] = time.perf_counter() - t0
+      read = dict(got.read, exchanged=got.read["received"] + got.read["sent"])
+      result = self._report(RestoreResult(
+          step=plan.step, state=jax.tree_util.tree_unflatten(treedef, got.leaves),
+          extra=copy_extra(plan.extra), source=Source.SNAPSHOT,
+          rewind_steps=got.newest - plan.step, newest_step=got.newest, bytes_read=read,
+          timings=timings, notes=tuple(notes), exchange="sparse"))
+    else:
+      notes.extend(got.reasons[:1])  # why the freshest snapshot step was not usable
+      result = self._restore_persistent(step, persistent_steps, target_specs, targets,
+                                        treedef, got.newest, notes, timings, t0, "sparse")
+    self._branch_from(result.step, got.records)
     return result
 
   def _branch_from(self, step: int, manifests: Sequence[Any]) -> None:
@@ -336,7 +384,7 @@ class SnapshotManager:
   def _restore_persistent(self, step: int | None, persistent_steps: list[int],
                           target_specs: list[LeafSpec], targets: list[Any], treedef: Any,
                           newest: int, notes: list[str], timings: dict[str, float],
-                          t0: float) -> RestoreResult:
+                          t0: float, exchange: str = "") -> RestoreResult:
     if not persistent_steps:
       where = self.persistent.directory if self.persistent else "no persistent tier"
       what = f"step {step}" if step is not None else "any step"
@@ -359,7 +407,7 @@ class SnapshotManager:
         source=Source.PERSISTENT, rewind_steps=max(newest, pstep) - pstep,
         newest_step=max(newest, pstep),
         bytes_read={"persistent": self.persistent.bytes_read - before},
-        timings=timings, notes=tuple(notes)))
+        timings=timings, notes=tuple(notes), exchange=exchange))
 
   def _report(self, result: RestoreResult) -> RestoreResult:
     if self.host == 0:

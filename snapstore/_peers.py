@@ -18,12 +18,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _exchange, _faults, _group, _parity
+from . import _agree, _exchange, _faults, _group, _parity, _sparse
+from ._arena import ArenaCache
 from ._assemble import Assembler, BadCopy, what_copy
+from ._collective import Collective, JaxCollective
 from ._index import Index, align
-from ._layout import LeafKind, LeafSpec, batches, target_sharding, wants_numpy
+from ._layout import LeafKind, LeafSpec, batches, check_compatible, target_sharding, wants_numpy
 from ._manifest import Manifest
-from ._planner import REBUILT, Copy, CopyKey
+from ._planner import REBUILT, Copy, CopyKey, StepPlan
 
 
 def _rebuild(assembler: Assembler, piece: Callable[[int, Index], np.ndarray | None],
@@ -104,13 +106,98 @@ class Solo:
     return Assembled(leaves, {k: str(e) for k, e in assembler.bad.items()}, timings=timings)
 
 
+@dataclasses.dataclass
+class Sparse:
+  """What :meth:`Distributed.restore` found: the step restored (``plan``,
+  ``leaves``), or nothing in RAM (``plan`` None), or that the full
+  inventory exchange must decide (``fallback``: why); and, agreed by every
+  host, the newest step any saw, the incarnation, the persistent tier's
+  newest commit every host sees, and the records (for the branch check)."""
+
+  newest: int
+  incarnation: int
+  persistent_latest: int
+  records: list[_agree.Record]
+  plan: StepPlan | None = None
+  leaves: list[Any] | None = None
+  fallback: str | None = None
+  notes: list[str] = dataclasses.field(default_factory=list)
+  reasons: list[str] = dataclasses.field(default_factory=list)
+  read: dict[str, int] = dataclasses.field(default_factory=dict)
+  timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
 class Distributed:
   """Every process of a multi-controller job; ``host`` is this one."""
 
   multi_host = True
 
-  def __init__(self, host: int):
+  def __init__(self, host: int, collective: Collective | None = None):
     self.host = host
+    self.collective: Collective = collective or JaxCollective()
+
+  def restore(self, source: Any, arenas: ArenaCache | None, local: Sequence[Manifest],
+              target_specs: Sequence[LeafSpec], targets: Sequence[Any], *,
+              step: int | None, slots: int, values: tuple[int, int, int],
+              persistent_steps: Sequence[int]) -> Sparse:
+    """A restore whose metadata is each host's own (:mod:`._agree`,
+    :mod:`._sparse`): records gathered, the agreed maxima of ``values``
+    (newest step, incarnation, minus the persistent tier's newest commit),
+    then, candidate by candidate, needs, holders and point-to-point moves.
+    Collective."""
+    coll = self.collective
+    t = time.perf_counter()
+    records = _agree.gather_records(coll, _agree.local_records(self.host, local, slots), slots)
+    newest, incarnation, neg_latest = _agree.max64(coll, values)
+    out = Sparse(newest, incarnation, -neg_latest, records)
+    out.timings["scan_exchange"] = time.perf_counter() - t
+    cands = _agree.candidates(records, step=step, reasons=out.reasons)
+    latest = max([s for s in persistent_steps if s <= -neg_latest], default=-1)
+    bad: set[CopyKey] = set()
+    at = 0
+    while at < len(cands) and cands[at].step >= latest:
+      cand = cands[at]
+      t = time.perf_counter()
+      mine = _sparse.manifests_at(local, cand)
+      got = _sparse.plan(coll, mine, cand, target_specs, targets, bad=bad)
+      out.timings["plan"] = out.timings.get("plan", 0.0) + time.perf_counter() - t
+      if isinstance(got, _sparse.Fallback):
+        out.fallback = got.why
+        return out
+      if isinstance(got, _sparse.Lost):
+        out.reasons.append(got.why)
+        at += 1
+        continue
+      check_compatible(got.header.leaves, target_specs, step=cand.step)
+      t = time.perf_counter()
+      plan = _sparse.local_plan(got, mine, self.host, bad)
+      assembler = Assembler(plan, source, arenas=arenas)
+      by_path = {s.path: i for i, s in enumerate(plan.specs)}
+      reads = [k for spec, target in zip(target_specs, targets, strict=True)
+               for k in assembler.local_pieces(by_path[spec.path], spec, target)
+               if any(c.store == self.host for c in plan.copies.get(k, ()))]
+      reads += _sparse.outgoing_keys(got, target_specs)
+      _read(assembler, reads)
+      out.timings["read_verify"] = time.perf_counter() - t
+      t = time.perf_counter()
+      received = _sparse.move(coll, got, assembler, target_specs)
+      found = _sparse.gather_bad(coll, assembler.bad)
+      out.timings["read_agree"] = time.perf_counter() - t
+      if found:
+        for k in found:
+          out.notes.append(f"step {cand.step}: checksum mismatch in "
+                           f"{what_copy(k, plan.specs[k[2]].path)} held by host {k[0]}; "
+                           "using another copy or an older step")
+        bad.update(found)
+        continue  # the same step again, without the bad copies
+      t = time.perf_counter()
+      out.leaves = assembler.tree(target_specs, targets)
+      out.timings["read_place"] = time.perf_counter() - t
+      sent, _ = _sparse.bytes_moved(got, self.host)
+      out.plan = plan
+      out.read = {"snapshot": assembler.bytes_read, "received": received, "sent": sent}
+      return out
+    return out
 
   def gather_manifests(self, local: Sequence[Manifest], values: Sequence[int] = ()
                        ) -> tuple[list[Manifest], tuple[int, ...]]:
@@ -120,7 +207,7 @@ class Distributed:
 
   def agree_max(self, *values: int) -> tuple[int, ...]:
     """The maximum of each value over every process."""
-    return tuple(int(v) for v in _exchange.gather_ints(list(values)).max(axis=0))
+    return _agree.max64(self.collective, values)
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
@@ -143,19 +230,13 @@ class Distributed:
                    for k in pieces
                    if _exchange.chosen_source([c for c in plan.copies[k]
                                                if c.store != REBUILT]).store == self.host)
-    source = assembler.source
-    if source.prefetch_pool is not None:
-      assembler.prefetch(source.prefetch_pool, source.prefetch_workers, reads)
-    else:
-      for leaf, idx in dict.fromkeys(reads):
-        if not assembler.verified(leaf, idx):
-          assembler.check(leaf, idx)
+    _read(assembler, reads)
     for rb in plan.rebuilds:
       for c in rb.blocks.values():
         assembler.check_copy(c)
     timings["read_verify"] = time.perf_counter() - t
     t = time.perf_counter()
-    bad = _exchange.gather_bad(list(assembler.bad))
+    bad = _sparse.gather_bad(self.collective, assembler.bad)
     timings["read_agree"] = time.perf_counter() - t
     if bad:
       return Assembled(None, {k: f"checksum mismatch in "
@@ -255,6 +336,17 @@ class _Split:
   moved: list[int] = dataclasses.field(default_factory=list)
   local: list[tuple[int, Index]] = dataclasses.field(default_factory=list)
   needed: list[tuple[int, Index]] = dataclasses.field(default_factory=list)
+
+
+def _read(assembler: Assembler, keys: Sequence[tuple[int, Index]]) -> None:
+  """Reads and verifies ``keys`` (each once) as they are copied out."""
+  source = assembler.source
+  if source.prefetch_pool is not None:
+    assembler.prefetch(source.prefetch_pool, source.prefetch_workers, keys)
+    return
+  for leaf, idx in dict.fromkeys(keys):
+    if not assembler.verified(leaf, idx):
+      assembler.check(leaf, idx)
 
 
 def for_job(host: int, num_hosts: int) -> Solo | Distributed:

@@ -48,8 +48,9 @@ class RestoreResult:
     rewind_steps: newest step ever saved minus ``step``.
     newest_step: the newest step ever passed to ``save`` (-1 if unknown).
     bytes_read: bytes read per tier (``{"snapshot": n, "persistent": m}``; multi-host
-      also ``"exchanged"``: bytes summed between hosts; ``"rebuilt"``: bytes of
-      lost pieces rebuilt from parity).
+      also ``"exchanged"``: state bytes moved between this host and others
+      (sparse) or summed between hosts (full); ``"rebuilt"``: bytes of lost
+      pieces rebuilt from parity).
     timings: seconds per phase (``scan``, ``plan``, ``read``, ``total``...);
       ``scan`` includes ``scan_persistent`` (listing the persistent tier's
       committed steps) and ``scan_exchange`` (every process's manifests,
@@ -58,6 +59,12 @@ class RestoreResult:
       hosts agreeing on bad copies; multi-host) and ``read_place`` (pieces
       moved between hosts or rebuilt, and the leaves built).
     notes: why fresher candidates were not used.
+    exchange: how a multi-host restore agreed (``""`` for one process):
+      ``"sparse"``, each host's own metadata and point-to-point moves
+      (``bytes_read`` then has ``"received"`` and ``"sent"``: state bytes
+      this host got from and gave to others); or ``"full: <why>"``, every
+      host's manifests exchanged (a changed target layout, a parity
+      rebuild).
   """
 
   step: int
@@ -69,10 +76,11 @@ class RestoreResult:
   bytes_read: dict[str, int]
   timings: dict[str, float]
   notes: tuple[str, ...] = ()
+  exchange: str = ""
 
   def summary(self) -> dict[str, Any]:
     return {"step": self.step, "source": self.source.value,
             "rewind_steps": self.rewind_steps, "newest_step": self.newest_step,
             "bytes_read": dict(self.bytes_read),
             "timings": {k: round(v, 6) for k, v in self.timings.items()},
-            "notes": list(self.notes)}
+            "notes": list(self.notes), "exchange": self.exchange}

@@ -1,0 +1,198 @@
+"""The few collectives a multi-host restore agrees with, sized by what they carry.
+
+A restore's metadata travels in four shapes, each sized by what it carries,
+never by the job's host count times a host's inventory:
+
+* :meth:`Collective.gather_rows`: one fixed-size row from every host (the
+  agreement records of :mod:`._agree`: a few dozen bytes a host);
+* :meth:`Collective.gather_blobs`: every host's variable-length blob, laid
+  end to end (a host's needs, a keeper's checksum rows): the buffer is the
+  sum of the blobs, not the host count times the largest;
+* :meth:`Collective.reduce_min`: an element-wise minimum of one int64 vector
+  (who holds each needed piece);
+* :meth:`Collective.permute`: one buffer from each sending host to its one
+  receiver (a piece moves point to point; no other host sees it).
+
+:class:`JaxCollective` runs them as jitted XLA collectives over the job's
+devices in their agreed order (:func:`._group.devices`): JAX stays the data
+plane. A benchmark stands in a
+simulated one (``benchmarks/scale.py``) to run one host's view of a job of
+thousands through the same code. Every method is collective: all processes
+call it in the same order with the same shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import _group
+
+_AXIS = "snapstore_hosts"
+
+
+@dataclasses.dataclass
+class Traffic:
+  """Bytes this host put into collectives and got out of them (what a real
+  network would carry to and from it), and the calls made."""
+
+  sent: int = 0
+  received: int = 0
+  calls: int = 0
+
+  def add(self, sent: int, received: int) -> None:
+    self.sent += sent
+    self.received += received
+    self.calls += 1
+
+
+class Collective(Protocol):
+  """What a multi-host restore needs of the job's hosts."""
+
+  num_hosts: int
+  host: int
+  traffic: Traffic
+
+  def gather_rows(self, row: np.ndarray) -> np.ndarray:
+    """Every host's ``row`` (1-d uint8, one length everywhere), as rows of
+    a (hosts, len) array in process order."""
+
+  def gather_blobs(self, blob: bytes) -> list[bytes]:
+    """Every host's ``blob``, in process order."""
+
+  def reduce_min(self, values: np.ndarray) -> np.ndarray:
+    """The element-wise minimum over hosts of ``values`` (1-d int32, one
+    length everywhere; :data:`NONE` is the largest)."""
+
+  def permute(self, pairs: Sequence[tuple[int, int]], payload: np.ndarray | None,
+              width: int) -> np.ndarray | None:
+    """Moves each (sender, receiver) pair's buffer of ``width`` bytes: each
+    host sends at most one and receives at most one. ``payload``: this
+    host's outgoing bytes (at most ``width``; None if it sends nothing).
+    Returns the bytes received (``width`` of them), or None."""
+
+
+def bucket(n: int) -> int:
+  """``n`` rounded up to one of 8 sizes per power of two (at most 12.5%
+  more), at least 64: one compiled program serves many sizes."""
+  if n <= 64:
+    return 64
+  step = 1 << max(n.bit_length() - 4, 0)
+  return -(-n // step) * step
+
+
+class JaxCollective:
+  """:class:`Collective` as jitted XLA collectives over every device of the
+  job in the agreed order (:func:`._group.devices`: gloo keys its
+  communicators by that list, which an in-place heal renews), each process
+  contributing through its first device there and zeros (or the identity)
+  through the others. What a host sends and receives is counted as the
+  buffer it contributes and gets back."""
+
+  def __init__(self) -> None:
+    self.num_hosts = jax.process_count()
+    self.host = jax.process_index()
+    self.traffic = Traffic()
+
+  @staticmethod
+  def _mesh() -> tuple[Mesh, list[jax.Device]]:
+    mesh = _mesh_of(tuple(_group.devices()))
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return mesh, local
+
+  def _run(self, fn: Any, mine: np.ndarray, fill: Any) -> np.ndarray:
+    mesh, local = self._mesh()
+    others = np.full_like(mine, fill)
+    parts = [jax.device_put((mine if i == 0 else others)[None], d) for i, d in enumerate(local)]
+    g = jax.make_array_from_single_device_arrays(
+        (mesh.size, mine.size), NamedSharding(mesh, P(_AXIS)), parts)
+    out = fn(mesh)(g)
+    return np.asarray(out.addressable_shards[0].data).reshape(-1)
+
+  def gather_rows(self, row: np.ndarray) -> np.ndarray:
+    row = np.ascontiguousarray(row).reshape(-1).view(np.uint8)
+    n = row.size
+    width = bucket(self.num_hosts * n)
+    mine = np.zeros(width, np.uint8)
+    mine[self.host * n:(self.host + 1) * n] = row
+    every = self._run(_sum_fn, mine, 0)  # rows are disjoint: the sum is each row
+    self.traffic.add(width, width)
+    return every[:self.num_hosts * n].reshape(self.num_hosts, n)
+
+  def gather_blobs(self, blob: bytes) -> list[bytes]:
+    lengths = self.gather_rows(np.array([len(blob)], np.int64).view(np.uint8))
+    lengths = lengths.copy().view(np.int64).reshape(-1)
+    total = int(lengths.sum())
+    if not total:
+      return [b""] * self.num_hosts
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    width = bucket(total)
+    mine = np.zeros(width, np.uint8)
+    at = int(starts[self.host])
+    mine[at:at + len(blob)] = np.frombuffer(blob, np.uint8)
+    every = self._run(_sum_fn, mine, 0)  # each byte non-zero on one host at most
+    self.traffic.add(width, width)
+    return [every[int(s):int(s) + int(n)].tobytes()
+            for s, n in zip(starts, lengths, strict=True)]
+
+  def reduce_min(self, values: np.ndarray) -> np.ndarray:
+    values = np.ascontiguousarray(values, np.int32).reshape(-1)
+    if not values.size:
+      return values
+    width = bucket(values.size)
+    mine = np.full(width, NONE, np.int32)
+    mine[:values.size] = values
+    out = self._run(_min_fn, mine, NONE)
+    self.traffic.add(mine.nbytes, mine.nbytes)
+    return out[:values.size]
+
+  def permute(self, pairs: Sequence[tuple[int, int]], payload: np.ndarray | None,
+              width: int) -> np.ndarray | None:
+    mesh, local = self._mesh()
+    first = {}
+    for i, d in enumerate(mesh.devices.flat):
+      first.setdefault(d.process_index, i)
+    width = bucket(width)
+    buf = np.zeros(width, np.uint8)
+    if payload is not None:
+      buf[:payload.size] = payload
+    perm = tuple(sorted((first[a], first[b]) for a, b in pairs))
+    out = self._run(lambda m: _permute_fn(m, perm), buf, 0)
+    receives = any(b == self.host for _, b in pairs)
+    self.traffic.add(width if payload is not None else 0, width if receives else 0)
+    return out if receives else None
+
+
+#: "No host": what :meth:`Collective.reduce_min` hands back where none put less.
+NONE = np.iinfo(np.int32).max
+
+
+@functools.lru_cache(maxsize=16)
+def _mesh_of(devices: tuple[jax.Device, ...]) -> Mesh:
+  return Mesh(np.array(devices), (_AXIS,))
+
+
+@functools.lru_cache(maxsize=8)
+def _sum_fn(mesh: Mesh) -> Any:
+  return jax.jit(lambda g: jnp.sum(g, axis=0, dtype=jnp.uint8),
+                 out_shardings=NamedSharding(mesh, P()))
+
+
+@functools.lru_cache(maxsize=8)
+def _min_fn(mesh: Mesh) -> Any:
+  return jax.jit(lambda g: jnp.min(g, axis=0), out_shardings=NamedSharding(mesh, P()))
+
+
+@functools.lru_cache(maxsize=64)
+def _permute_fn(mesh: Mesh, perm: tuple[tuple[int, int], ...]) -> Any:
+  def body(b: jax.Array) -> jax.Array:
+    return jax.lax.ppermute(b, _AXIS, perm)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
+                               check_vma=False))
