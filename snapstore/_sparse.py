@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -40,19 +40,19 @@ from ._agree import Candidate, digest_of, shared_content
 from ._assemble import Assembler, BadCopy, _wanted
 from ._checksum import ChecksumKind, crc_matches, piece_key
 from ._collective import NONE, Collective
-from ._index import Index, full, overlap
+from ._index import Index, full
 from ._layout import LeafKind, LeafSpec, spec_from_row, target_sharding
-from ._manifest import Manifest, PieceRecord
+from ._manifest import Manifest, PieceRecord, PieceTable
 from ._planner import Copy, CopyKey, StepPlan
 
 #: The most bytes one point-to-point transfer carries (more: several rounds).
 BATCH_BYTES = 64 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class Need:
+class Need(NamedTuple):
   """Host ``needer`` lacks region ``region`` of target leaf ``pos`` (its
-  position in the flattened abstract state)."""
+  position in the flattened abstract state). (A named tuple: a replacement
+  has thousands.)"""
 
   needer: int
   pos: int
@@ -126,27 +126,47 @@ def target_regions(spec: LeafSpec, target: Any) -> list[Index]:
 
 
 class Held:
-  """One host's copies at one step: by (leaf, region), and by leaf."""
+  """One host's copies at one step: its manifest's rows by (leaf, region),
+  and each leaf's regions as arrays of bounds (for overlap tests)."""
 
   def __init__(self, host: int, manifest: Manifest | None, bad: Collection[CopyKey]):
     self.host = host
     self.manifest = manifest
-    self.exact: dict[tuple[int, Index], PieceRecord] = {}
-    self.by_leaf: dict[int, list[Index]] = {}
+    self.exact: dict[tuple[int, Index], tuple[Any, ...]] = {}
     self.by_path: dict[str, int] = {}
+    self._regions: dict[int, list[Index]] = {}
+    self._bounds: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     if manifest is None:
       return
     step = manifest.step
     self.by_path = {s.path: i for i, s in enumerate(manifest.leaves)}
-    for p in manifest.pieces:
-      if bad and (host, step, p.leaf, p.index) in bad:
+    for row in manifest.pieces.rows:  # (rows: no record object made per piece)
+      key = (row[0], row[1])
+      if (bad and (host, step, *key) in bad) or key in self.exact:
         continue
-      if (p.leaf, p.index) not in self.exact:
-        self.exact[(p.leaf, p.index)] = p
-        self.by_leaf.setdefault(p.leaf, []).append(p.index)
+      self.exact[key] = row
+      self._regions.setdefault(row[0], []).append(row[1])
 
   def leaf_of(self, spec: LeafSpec) -> int | None:
     return self.by_path.get(spec.path)
+
+  def record(self, leaf: int, region: Index) -> PieceRecord:
+    return PieceTable.record(self.exact[(leaf, region)])
+
+  def overlaps(self, leaf: int, region: Index) -> bool:
+    """True if some copy of ``leaf`` here overlaps ``region``."""
+    bounds = self._bounds.get(leaf)
+    if bounds is None:
+      regions = self._regions.get(leaf)
+      if not regions:
+        return False
+      arr = np.array(regions, np.int64)  # (pieces, dims, 2)
+      bounds = self._bounds[leaf] = (arr[..., 0], arr[..., 1])
+    lo, hi = bounds
+    if not lo.shape[1]:  # 0-d leaves: every piece is the whole leaf
+      return True
+    r = np.array(region, np.int64)
+    return bool(((lo < r[:, 1]) & (r[:, 0] < hi)).all(axis=1).any())
 
 
 def local_needs(held: Held, target_specs: Sequence[LeafSpec], targets: Sequence[Any]
@@ -201,7 +221,7 @@ def holder_values(held: Held, needs: Sequence[Need], target_specs: Sequence[Leaf
     rank = (held.host - need.needer) % num_hosts
     if (leaf, need.region) in held.exact:
       out[i] = rank
-    elif any(overlap(idx, need.region) is not None for idx in held.by_leaf.get(leaf, ())):
+    elif held.overlaps(leaf, need.region):
       out[len(needs) + i] = rank
   return out
 
@@ -240,8 +260,7 @@ def encode_rows(held: Held, needs: Sequence[Need], holders: Sequence[int],
   for i, (need, h) in enumerate(zip(needs, holders, strict=True)):
     if h != held.host:
       continue
-    leaf = held.leaf_of(target_specs[need.pos])
-    rec = held.exact[(leaf, need.region)]
+    rec = held.record(held.leaf_of(target_specs[need.pos]), need.region)
     rows.append([i, rec.nbytes, list(rec.checksum), rec.owner, rec.kind.value])
   if not rows and header is None:
     return b""
