@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import _group
+from . import _collective, _group
 from ._index import Index, normalize, overlaps
 from ._manifest import Manifest, decode, encode
 from ._planner import REBUILT, Copy, StepPlan
@@ -55,15 +55,6 @@ def gather_manifests(local: Sequence[Manifest], values: Sequence[int] = ()
       raise ValueError(f"a process sent {len(theirs)} values to agree on, this one {len(values)}")
     maxes = list(theirs) if maxes is None else [max(a, int(b)) for a, b in zip(maxes, theirs)]
   return out, tuple(maxes or ())
-
-
-def gather_ints(value: Sequence[int]) -> np.ndarray:
-  """Every process's ``value`` (as many ints on every process), one row a
-  process: one all-reduce (the length is known)."""
-  n, me, k = jax.process_count(), jax.process_index(), len(value)
-  rows = np.zeros((n, k), np.int64)
-  rows[me] = np.asarray(value, np.int64)
-  return sum_bytes(rows.reshape(-1).view(np.uint8)).view(np.int64).reshape(n, k)
 
 
 def chosen_source(copies: Sequence[Copy]) -> Copy:
@@ -149,12 +140,9 @@ def sum_bytes(contribution: np.ndarray) -> np.ndarray:
 
 def bucket(n: int) -> int:
   """``n`` rounded up to one of 8 sizes per power of two (at most 12.5%
-  more): the all-reduce is compiled once per size, and inventories and
-  batches change size with every step."""
-  if n <= 4096:
-    return 4096
-  step = 1 << (n.bit_length() - 4)
-  return -(-n // step) * step
+  more), at least 4096: the all-reduce is compiled once per size, and
+  inventories and batches change size with every step."""
+  return _collective.bucket(max(n, 4096))
 
 
 def _sum(contribution: np.ndarray) -> np.ndarray:
@@ -169,14 +157,3 @@ def _sum(contribution: np.ndarray) -> np.ndarray:
       (mesh.size, size), NamedSharding(mesh, P(_AXIS)), parts)
   total = _sum_fn(mesh, contribution.dtype.type)(g)
   return np.asarray(total.addressable_shards[0].data)[:contribution.size]
-
-
-def gather_bad(local_bad: Sequence[tuple[int, int, int, Index]]) -> list[Any]:
-  """Every process's bad copies (nothing sent where none is: when no
-  process found one, the exchange is one all-reduce)."""
-  rows = [[h, s, lf, [list(r) for r in idx]] for h, s, lf, idx in local_bad]
-  out = []
-  for blob in allgather_bytes(msgpack.packb(rows) if rows else b""):
-    for h, s, lf, idx in (msgpack.unpackb(blob) if blob else ()):
-      out.append((h, s, lf, tuple(tuple(r) for r in idx)))
-  return out

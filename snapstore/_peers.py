@@ -180,6 +180,7 @@ class Distributed:
       _read(assembler, reads)
       out.timings["read_verify"] = time.perf_counter() - t
       t = time.perf_counter()
+      _faults.point("restore", cand.step)
       received = _sparse.move(coll, got, assembler, target_specs)
       found = _sparse.gather_bad(coll, assembler.bad)
       out.timings["read_agree"] = time.perf_counter() - t
