@@ -439,8 +439,8 @@ def _place_host(spec: LeafSpec, sharding: jax.sharding.Sharding,
   (500 leaves of 8 shards: 15 against 24 ms, scratch measurement), where
   this JAX has it; else ``make_array_from_callback``."""
   try:
-    from jax._src import core  # noqa: PLC0415
-    from jax._src.interpreters.pxla import batched_device_put  # noqa: PLC0415
+    from jax._src import core
+    from jax._src.interpreters.pxla import batched_device_put
   except ImportError:
     by_index = {idx: buf for (_, idx), buf in zip(wanted, bufs)}
     return jax.make_array_from_callback(

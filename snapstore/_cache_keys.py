@@ -33,7 +33,7 @@ import jax
 def share() -> None:
   """Patches JAX's cache key (idempotent); call before compiling."""
   try:
-    from jax._src import cache_key  # noqa: PLC0415
+    from jax._src import cache_key
   except ImportError:
     return
   hash_options = getattr(cache_key, "_hash_serialized_compile_options", None)

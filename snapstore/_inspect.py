@@ -22,8 +22,9 @@ _HOST_RE = re.compile(r"^host-(\d+)$")
 
 def _verify(root: Path, m: Manifest, pool: futures.Executor) -> str | None:
   """None if every piece of ``m`` matches its checksum, else the first bad one."""
-  import mmap  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import mmap
+
+  import numpy as np
   fd = open_regular(root / f"slot-{m.slot}.bin")
   try:
     size = os.fstat(fd).st_size

@@ -345,7 +345,7 @@ def _device_id(x: jax.Array) -> int:
   """A single-device array's device id: its sharding's device where JAX
   keeps one (a third of the cost of ``devices()``, which builds a set)."""
   try:
-    return x.sharding._device.id  # noqa: SLF001
+    return x.sharding._device.id
   except AttributeError:
     return next(iter(x.devices())).id
 

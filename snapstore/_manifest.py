@@ -22,9 +22,16 @@ import msgpack
 from . import errors
 from ._checksum import ChecksumKind
 from ._index import Index, disjoint, nbytes as index_nbytes
+from ._layout import (
+  LeafKind,
+  LeafSpec,
+  check_scalar,
+  check_spec,
+  spec_from_row,
+  spec_row,
+  tree_digest,
+)
 from .options import MAX_INT
-from ._layout import (LeafKind, LeafSpec, check_scalar, check_spec, spec_from_row, spec_row,
-                      tree_digest)
 
 PARITY_LEAF = -1  # the leaf of a parity block's piece record (see ._parity)
 FORMAT = "snapstore/manifest"
@@ -294,7 +301,7 @@ def decode(data: bytes, *, what: str = "manifest") -> Manifest:
     raise errors.CorruptSnapshotError(f"{what}: its checksum does not match its content")
   try:
     doc = _unpack(body)
-  except Exception as e:  # noqa: BLE001 - as above
+  except Exception as e:  # as above
     raise errors.CorruptSnapshotError(f"{what}: body is not valid msgpack ({e})") from e
   try:
     m = _from_doc(doc)

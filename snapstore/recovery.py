@@ -103,9 +103,9 @@ class MembersMissing(RuntimeError):
 def unsupported() -> str | None:
   """Why in-place recovery cannot run with this JAX, or None if it can."""
   try:
-    from jax._src import distributed  # noqa: PLC0415
-    from jax._src.lib import _jax  # noqa: PLC0415
-    from jax.experimental.multihost_utils import live_devices  # noqa: PLC0415
+    from jax._src import distributed
+    from jax._src.lib import _jax
+    from jax.experimental.multihost_utils import live_devices
   except ImportError as e:
     return f"jax {jax.__version__} lacks what in-place recovery needs ({e})"
   version = tuple(int(p) for p in jax.__version__.split(".")[:2])
@@ -122,7 +122,7 @@ def start_service(bind_address: str, num_processes: int, *,
                   heartbeat_timeout_s: int = 3) -> Any:
   """The JAX coordination service, recoverable, hosted by the caller (the
   supervisor). Keep the returned object alive; ``.shutdown()`` ends it."""
-  from jax._src.lib import _jax  # noqa: PLC0415
+  from jax._src.lib import _jax
   return _jax.get_distributed_runtime_service(
       bind_address, num_processes, heartbeat_timeout=heartbeat_timeout_s,
       shutdown_timeout=10, recoverable=True)
@@ -184,8 +184,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
                                coordinator_bind_address=bind_address)
     return
-  from jax._src import distributed  # noqa: PLC0415
-  from jax._src.lib import _jax  # noqa: PLC0415
+  from jax._src import distributed
+  from jax._src.lib import _jax
   state = distributed.global_state
   if state.client is not None:
     raise RuntimeError("jax.distributed is already initialized")
@@ -219,8 +219,8 @@ def _orbax_barriers_in_the_service() -> None:
   communicator (see :mod:`._group`). An absl flag; set without parsing
   the command line."""
   try:
-    from absl import flags  # noqa: PLC0415
-    from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415,F401
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost  # noqa: F401
   except ImportError:
     return
   name = "experimental_orbax_use_distributed_barrier"
@@ -265,9 +265,8 @@ class InPlace:
 
   def __init__(self, *, max_failures: int = 3, wait_timeout_s: float = 120.0,
                poll_s: float = 0.05, abort_after_s: float | None = DEFAULT_ABORT_AFTER_S):
-    from jax._src import distributed  # noqa: PLC0415
-    from jax.experimental.multihost_utils import (  # noqa: PLC0415
-        ProcessFailureError, live_devices)
+    from jax._src import distributed
+    from jax.experimental.multihost_utils import ProcessFailureError, live_devices
     self._client = distributed.global_state.client
     if self._client is None:
       raise RuntimeError("join the job first (snapstore.recovery.initialize)")
@@ -390,7 +389,7 @@ class InPlace:
     barrier, so without this the process hosting the service (process 0,
     unless the supervisor hosts it) could exit while others still talk to it,
     and they would abort."""
-    from jax._src import distributed  # noqa: PLC0415
+    from jax._src import distributed
     if self.watchdog is not None:
       self.watchdog.stop()
     self._client.wait_at_barrier("snapstore/done", int(timeout_s * 1000))
@@ -436,7 +435,7 @@ class InPlace:
 
 
 def _service_ports() -> set[int]:
-  from jax._src import distributed  # noqa: PLC0415
+  from jax._src import distributed
   port = (distributed.global_state.coordinator_address or "").rsplit(":", 1)[-1]
   return {int(port)} if port.isdigit() else set()
 

@@ -14,8 +14,8 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
-import jax  # noqa: E402  (after XLA_FLAGS: read when the backend starts)
-import pytest  # noqa: E402
+import jax  # after XLA_FLAGS: read when the backend starts
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")

@@ -12,14 +12,20 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from snapstore import SnapshotOptions, errors
-from snapstore import _parity, _planner
+from snapstore import SnapshotOptions, _parity, _planner, errors
 from snapstore._checksum import ChecksumKind
 from snapstore._index import to_slices
 from snapstore._layout import flatten, tree_digest
+from snapstore._manifest import (
+  PARITY_LEAF,
+  Manifest,
+  ParityRecord,
+  PieceRecord,
+  decode,
+  encode,
+  member_length,
+)
 from tests.helpers import assert_bitwise_equal
-from snapstore._manifest import (PARITY_LEAF, Manifest, ParityRecord, PieceRecord, decode,
-                                 encode, member_length)
 
 
 def _stripes(k):
@@ -177,6 +183,7 @@ def test_pinned_store_never_rebuilds_from_a_flipped_byte(store_dir):
   3's own piece (used by the rebuild, no other copy): step 1 is restored,
   slice 1's pieces rebuilt, bitwise."""
   import ctypes
+
   from snapstore import SnapshotManager, StoreKind
   from tests.test_backends import abstract, awkward_state, save_steps
   devs = jax.devices()
@@ -234,6 +241,7 @@ def test_leaves_in_host_memory_or_complex_keep_full_replicas_not_parity(store_di
   instead, and the user's pinned_host array is copied, never kept (retention
   frees what a store holds)."""
   import jax.numpy as jnp
+
   from snapstore import SnapshotManager, StoreKind
   devs = jax.devices()
   s2d = {k: devs[2 * k:2 * k + 2] for k in range(4)}

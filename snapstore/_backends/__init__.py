@@ -14,13 +14,20 @@ from concurrent import futures
 import jax
 
 from ..options import SnapshotOptions, StoreKind
-from .base import Backend, Header, NO_PROGRESS
+from .base import NO_PROGRESS, Backend, Header
 from .hostfiles.backend import HostFilesBackend
 from .pinned.backend import PinnedHostBackend
 from .pinned.store import supports_pinned_host
 
-__all__ = ["Backend", "Header", "HostFilesBackend", "NO_PROGRESS", "PinnedHostBackend",
-           "choose", "resolve_kind"]
+__all__ = [
+  "NO_PROGRESS",
+  "Backend",
+  "Header",
+  "HostFilesBackend",
+  "PinnedHostBackend",
+  "choose",
+  "resolve_kind",
+]
 
 
 def resolve_kind(kind: StoreKind, slices: Mapping[int, Sequence[jax.Device]] | None

@@ -151,7 +151,7 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
     raise ValueError(f"need 0 < kill_step ({kill_step}) < total_steps ({total_steps})")
   if kill_step % checkpoint_every == 0:
     raise ValueError(f"kill_step {kill_step} is a checkpoint step; pick another")
-  from .gcs_emulator import GcsEmulator  # noqa: PLC0415
+  from .gcs_emulator import GcsEmulator
   with contextlib.ExitStack() as stack:
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="snapstore-demo-", dir=base))
@@ -196,9 +196,9 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
 
 
 def _plot(runs: dict[str, Any], kill_step: int, path: str) -> None:
-  import matplotlib  # noqa: PLC0415
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(8, 4))
   for (name, run), color in zip(runs.items(), ("tab:red", "tab:orange", "tab:green")):
     tl = run["timeline"]

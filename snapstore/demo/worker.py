@@ -49,15 +49,13 @@ def main() -> int:
                  metavar="K", help="in place: steps per live() block (one membership "
                                    "barrier each), 1 to 1000")
   a = p.parse_args()
-  from snapstore.launch import (  # noqa: PLC0415
-      global_digest, in_place_from_env, init_from_env, report_digest)
+  from snapstore.launch import global_digest, in_place_from_env, init_from_env, report_digest
   host, _, inc = init_from_env()
-  import os  # noqa: PLC0415
+  import os
 
-
-  import snapstore  # noqa: PLC0415
-  from snapstore._manifest import write_atomic  # noqa: PLC0415
-  from snapstore.demo.example import ModelConfig, Trainer, make_mesh  # noqa: PLC0415
+  import snapstore
+  from snapstore._manifest import write_atomic
+  from snapstore.demo.example import ModelConfig, Trainer, make_mesh
 
   cfg = ModelConfig()
   in_place = in_place_from_env()
@@ -132,7 +130,7 @@ def main() -> int:
         state, loss = train(trainer, state, s)
         record(trainer, state, s, loss)
     else:
-      from snapstore import recovery  # noqa: PLC0415
+      from snapstore import recovery
       job = recovery.InPlace()
       trainer, s = None, 0
       start_of_pass = [0]

@@ -20,13 +20,19 @@ from typing import Any
 import jax
 import numpy as np
 
+from ... import _group, _parity
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import (ChecksumKind, copy_crc_many, copy_verified, crc_matches, first_seed,
-                          piece_key)
+from ..._checksum import (
+  ChecksumKind,
+  copy_crc_many,
+  copy_verified,
+  crc_matches,
+  first_seed,
+  piece_key,
+)
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
 from ..._manifest import Manifest, piece_row, split_parity
-from ... import _group, _parity
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ...options import SnapshotOptions, StoreKind

@@ -27,13 +27,29 @@ import jax
 import numpy as np
 
 from ... import _faults, _group, _parity
-from ..._checksum import (CACHE_BYTES, chunk_seeds, copy_crc, copy_crc_gather, first_seed,
-                          piece_key)
+from ..._checksum import CACHE_BYTES, chunk_seeds, copy_crc, copy_crc_gather, first_seed, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
-from ..._layout import (LeafKind, LeafSpec, Piece, addressable_data, addressable_pieces,
-                         batches, filled, piece_of)
-from ..._placement import (HolderLayout, holder_layout, owners, replica_shardings, ring_keepers,
-                           ring_permutable, ring_permute, shard_arrays)
+from ..._layout import (
+  LeafKind,
+  LeafSpec,
+  Piece,
+  addressable_data,
+  addressable_pieces,
+  batches,
+  filled,
+  piece_of,
+)
+from ..._placement import (
+  HolderLayout,
+  holder_layout,
+  owners,
+  replica_shardings,
+  ring_keepers,
+  ring_permutable,
+  ring_permute,
+  shard_arrays,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Packed:

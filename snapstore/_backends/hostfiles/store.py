@@ -38,8 +38,7 @@ import numpy as np
 
 from ... import _faults, _planner, errors
 from ..._index import align
-from ..._manifest import (MAX_MANIFEST_BYTES, Manifest, decode, encode, kept_copy,
-                          write_atomic)
+from ..._manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode, kept_copy, write_atomic
 from ..base import NO_PROGRESS
 
 logger = logging.getLogger(__name__)

@@ -23,12 +23,18 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from ... import _parity
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import (ChecksumKind, as_checksum, copy_verified,
-                          device_checksum, piece_key, shard_checksums)
+from ..._checksum import (
+  ChecksumKind,
+  as_checksum,
+  copy_verified,
+  device_checksum,
+  piece_key,
+  shard_checksums,
+)
 from ..._index import Index, shape_of
 from ..._layout import LeafKind, LeafSpec
-from ... import _parity
 from ..._manifest import Manifest, piece_row, split_parity
 from ..._planner import Copy, StepPlan
 from ...options import SnapshotOptions, StoreKind

@@ -31,8 +31,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from ... import _faults, _parity
-from ..._checksum import (Checksum, ChecksumKind, as_checksum, crc_chunks, device_checksum,
-                          piece_key, shard_checksums)
+from ..._checksum import (
+  Checksum,
+  ChecksumKind,
+  as_checksum,
+  crc_chunks,
+  device_checksum,
+  piece_key,
+  shard_checksums,
+)
 from ..._index import Index, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, piece_of, positions
 from ..._placement import HolderLayout, holder_layout, ring_keepers, shard_arrays
