@@ -193,7 +193,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
       by_leaf[j].append(k)
     jax.block_until_ready([
         _place_host(spec, x.sharding, [rows[k][1:3] for k in ks], [parts[k] for k in ks])
-        for x, spec, ks in zip(leaves, specs, by_leaf)])
+        for x, spec, ks in zip(leaves, specs, by_leaf, strict=True)])
 
   with futures.ThreadPoolExecutor(2) as pool:
     two = lambda fn: [y for part in pool.map(fn, halves) for y in (part or [])]  # noqa: E731
@@ -227,10 +227,10 @@ def jax_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   specs = [leaf_spec(f"w{i}", x) for i, x in enumerate(leaves)]
   shards = [s.data for x in leaves for s in x.addressable_shards]
   wanted = [_wanted(x.sharding, tuple(x.shape)) for x in leaves]
-  total = sum(align(index_nbytes(i, x.dtype.itemsize)) for x, w in zip(leaves, wanted)
+  total = sum(align(index_nbytes(i, x.dtype.itemsize)) for x, w in zip(leaves, wanted, strict=True)
               for _, i in w)
   arena, at, parts = host_arena(total), 0, []
-  for x, w in zip(leaves, wanted):
+  for x, w in zip(leaves, wanted, strict=True):
     parts.append([])
     for _, index in w:
       n = index_nbytes(index, x.dtype.itemsize)
@@ -240,7 +240,7 @@ def jax_floor(state: Any, repeats: int = 5) -> dict[str, float]:
 
   def place() -> None:
     jax.block_until_ready([_place_host(spec, x.sharding, w, p)
-                           for x, spec, w, p in zip(leaves, specs, wanted, parts)])
+                           for x, spec, w, p in zip(leaves, specs, wanted, parts, strict=True)])
 
   hold = lambda: list(map(np.asarray, shards))  # noqa: E731
   hold()
@@ -382,4 +382,5 @@ def step_intervals(report: dict[str, Any], skip: int = 3) -> list[float]:
   """Seconds between consecutive steps of one worker report, past the first
   ``skip`` (compilation)."""
   times = [report["times"][k] for k in sorted(report["times"], key=int)]
-  return [b - a for a, b in zip(times[skip:], times[skip + 1:])]
+  # consecutive pairs: the second list is one shorter
+  return [b - a for a, b in zip(times[skip:], times[skip + 1:], strict=False)]

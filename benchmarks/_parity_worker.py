@@ -79,7 +79,7 @@ def main() -> int:
   arrays = list(job.state.values())
   _, length = _parity.layout(st, list(range(len(arrays))), arrays)
   for op in _parity.OPS:
-    run = lambda: _parity.encode(st, arrays, length, op=op,  # noqa: E731
+    run = lambda op=op: _parity.encode(st, arrays, length, op=op,  # noqa: E731
                                  order=_group.devices())
     jax.block_until_ready(run())  # compile
     times = []
@@ -109,7 +109,8 @@ def main() -> int:
       jax.block_until_ready(res.state)
       times.append(time.perf_counter() - t)
     same = all(np.array_equal(np.asarray(s.data), e)
-               for k, v in res.state.items() for s, e in zip(v.addressable_shards, expected[k]))
+               for k, v in res.state.items()
+               for s, e in zip(v.addressable_shards, expected[k], strict=True))
     report[name].update(
         restore_lost_host_s=statistics.median(times), restored_step=res.step,
         newest_step=job.step, bitwise_equal=min(total(float(same))) == 1.0,

@@ -239,7 +239,7 @@ class Assembler:
     return [(k, (g, [], c.record.nbytes) if g is not None else
              self._first_good(k, None, out[c.record.offset - start:
                                            c.record.offset - start + c.record.nbytes]))
-            for (k, c), g in zip(item, got)]
+            for (k, c), g in zip(item, got, strict=True)]
 
   def verified(self, leaf: int, index: Index) -> bool:
     """True once a copy of piece (leaf, index) was verified and kept."""
@@ -366,7 +366,8 @@ class Assembler:
 
   def tree(self, target_specs: Sequence[LeafSpec], targets: Sequence[Any]) -> list[Any]:
     by_path = {s.path: i for i, s in enumerate(self.plan.specs)}
-    return [self.leaf(by_path[t.path], t, tgt) for t, tgt in zip(target_specs, targets)]
+    return [self.leaf(by_path[t.path], t, tgt)
+            for t, tgt in zip(target_specs, targets, strict=True)]
 
 
 FastPath = Callable[[jax.sharding.Sharding, Sequence[tuple[jax.Device, Index]]],
@@ -411,7 +412,7 @@ def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Regio
       if puts:  # one batched put, adopting the host regions as above
         placed = jax.device_put([bufs[i] for i in puts], [wanted[i][0] for i in puts],
                                 may_alias=True)
-        for i, a in zip(puts, placed):
+        for i, a in zip(puts, placed, strict=True):
           bufs[i] = a
       arr = jax.make_array_from_single_device_arrays(spec.shape, on_device, bufs)
   if on_device is not sharding:
@@ -442,7 +443,7 @@ def _place_host(spec: LeafSpec, sharding: jax.sharding.Sharding,
     from jax._src import core
     from jax._src.interpreters.pxla import batched_device_put
   except ImportError:
-    by_index = {idx: buf for (_, idx), buf in zip(wanted, bufs)}
+    by_index = {idx: buf for (_, idx), buf in zip(wanted, bufs, strict=True)}
     return jax.make_array_from_callback(
         spec.shape, sharding, lambda idx: by_index[normalize(idx, spec.shape)])
   aval = core.ShapedArray(tuple(spec.shape), bufs[0].dtype if bufs else spec.np_dtype)

@@ -128,7 +128,7 @@ def copy_crc_many(src: np.ndarray, dst: np.ndarray, rows: Sequence[int]) -> list
     _stream.copy_crc32c_many(src, dst, table, crcs)
     return crcs.tolist()
   return [copy_crc(dst[a:a + n], src[a:a + n], seed)
-          for a, n, seed in zip(rows[::3], rows[1::3], rows[2::3])]
+          for a, n, seed in zip(rows[::3], rows[1::3], rows[2::3], strict=True)]
 
 
 def copy_crc_gather(dst: np.ndarray, parts: Sequence[tuple[np.ndarray, int, int]]

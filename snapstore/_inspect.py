@@ -74,7 +74,7 @@ def inspect_store(store: os.PathLike[str] | str, *, run_id: str | None = None,
         row["verdict"] = "valid" if why is None else f"invalid: {why}"
         rows.append(row)
   live = set(map(id, _planner.fence(valid)))
-  for row, m in zip([r for r in rows if r["verdict"] == "valid"], valid):
+  for row, m in zip([r for r in rows if r["verdict"] == "valid"], valid, strict=True):
     if id(m) not in live:
       row["verdict"] = "superseded: a newer incarnation restarted from an earlier step"
   lineage: dict[int, dict[str, Any]] = {}

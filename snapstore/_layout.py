@@ -170,7 +170,7 @@ def flatten(tree: Any) -> tuple[list[LeafSpec], list[Any], Any]:
   """Returns (specs, leaves, treedef) of a state pytree."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   paths = _paths(tree, treedef)
-  return [leaf_spec(p, leaf) for p, leaf in zip(paths, leaves)], leaves, treedef
+  return [leaf_spec(p, leaf) for p, leaf in zip(paths, leaves, strict=True)], leaves, treedef
 
 
 _PATHS: dict[Any, tuple[str, ...]] = {}  # treedef -> its leaves' checked key paths
@@ -305,7 +305,7 @@ def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.A
   ``jax.random.key_data(leaf)``.
   """
   pieces, data = addressable_data(leaf_idx, arr)
-  return list(zip(pieces, data))
+  return list(zip(pieces, data, strict=True))
 
 
 def addressable_data(leaf_idx: int, arr: jax.Array) -> tuple[tuple[Piece, ...], list[jax.Array]]:
@@ -323,7 +323,7 @@ def addressable_data(leaf_idx: int, arr: jax.Array) -> tuple[tuple[Piece, ...], 
     data = [arr.addressable_data(at[dev]) for dev in ids]
   else:
     data = [shards[at[dev]] for dev in ids]
-  for k, (dev, x) in enumerate(zip(ids, data)):
+  for k, (dev, x) in enumerate(zip(ids, data, strict=True)):
     if _device_id(x) != dev:  # checked, not trusted: by device then
       data[k] = next(s.data for s in arr.addressable_shards if s.device.id == dev)
   return pieces, data
@@ -356,7 +356,7 @@ def filled(items: Sequence[Any], sizes: Sequence[int], limit: int) -> list[list[
   costs little)."""
   out: list[list[Any]] = []
   size = limit
-  for item, n in zip(items, sizes):
+  for item, n in zip(items, sizes, strict=True):
     if size >= limit:
       out.append([])
       size = 0

@@ -270,7 +270,7 @@ def _same(a: Any, b: Any) -> bool:
   if isinstance(a, dict):
     return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
   if isinstance(a, list):
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
   if isinstance(a, float):
     return a == b or (a != a and b != b)
   return a == b
@@ -394,7 +394,8 @@ def validate(m: Manifest) -> None:
 
 
 def _inside(index: Index, shape: tuple[int, ...]) -> bool:
-  return len(index) == len(shape) and all(a <= b <= d for (a, b), d in zip(index, shape))
+  return len(index) == len(shape) and all(
+      a <= b <= d for (a, b), d in zip(index, shape, strict=True))
 
 
 def _checksum_count(p: PieceRecord, chunk_bytes: int) -> int:

@@ -213,7 +213,7 @@ def layout(st: Stripes, leaves: Sequence[int], arrays: Sequence[jax.Array]
   for ``arrays`` (each :func:`evenly_sharded`)."""
   sizes = [int(np.prod(a.sharding.shard_shape(tuple(a.shape)))) * np.dtype(a.dtype).itemsize
            for a in arrays]
-  owned = [shard_pieces(i, a) for i, a in zip(leaves, arrays)]
+  owned = [shard_pieces(i, a) for i, a in zip(leaves, arrays, strict=True)]
   return [tuple(o[d] for o in owned) for d in st.grid.flat], member_length(pad4_sum(sizes),
                                                                            st.k)
 

@@ -68,7 +68,7 @@ class OrbaxTier:
   def save(self, step: int, specs: Sequence[LeafSpec], leaves: Sequence[Any],
            extra: Any) -> None:
     arrays, scalars = {}, {}
-    for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+    for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
       if spec.kind is LeafKind.SCALAR:
         scalars[str(i)] = leaf
       elif spec.kind is LeafKind.KEY:
@@ -107,7 +107,7 @@ class OrbaxTier:
     meta = self.manager.restore(step, args=ocp.args.Composite(
         **{META: ocp.args.JsonRestore()}))[META]
     abstract = {}
-    for i, (spec, target) in enumerate(zip(specs, targets)):
+    for i, (spec, target) in enumerate(zip(specs, targets, strict=True)):
       if spec.kind is LeafKind.SCALAR:
         continue
       if spec.kind is LeafKind.NUMPY:

@@ -2,9 +2,10 @@
 
 A failure domain is a set of hosts that fail together: ``host //
 hosts_per_domain`` where configured, else ``device.slice_index`` where devices
-span several slices, else one domain per host. Replicas are placed by a ring over domains: replica ``r`` of the shard
-on host ``h`` (position ``p`` in domain ``k``) lives on the host at position
-``p`` of domain ``(k + r) % D``, on the device with the same local position.
+span several slices, else one domain per host. Replicas are placed by a
+ring over domains: replica ``r`` of the shard on host ``h`` (position ``p``
+in domain ``k``) lives on the host at position ``p`` of domain
+``(k + r) % D``, on the device with the same local position.
 The move is a permutation of the mesh's devices, so JAX carries the bytes.
 """
 
@@ -95,7 +96,7 @@ def _replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
   for r in range(1, min(replicas, num_domains - 1) + 1):
     ring = _device_ring(list(mesh.devices.flat), domains, r)
     # Device ring[d] must hold what d holds: place ring[d] where d was.
-    devices = np.vectorize(lambda d: ring[d], otypes=[object])(mesh.devices)
+    devices = np.vectorize(ring.__getitem__, otypes=[object])(mesh.devices)
     out.append(NamedSharding(Mesh(devices, mesh.axis_names,
                                   axis_types=mesh.axis_types), sharding.spec,
                              memory_kind=sharding.memory_kind))
@@ -176,7 +177,7 @@ def _pack_fn(mesh: Mesh, specs: tuple[P, ...] | None = None) -> Any:
 def _move_fn(mesh: Mesh, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
   """``perms[i]`` applied to buffer ``i``: one message per device pair."""
   def body(*bufs: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(jax.lax.ppermute(b, _AXIS, p) for b, p in zip(bufs, perms))
+    return tuple(jax.lax.ppermute(b, _AXIS, p) for b, p in zip(bufs, perms, strict=True))
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
                                check_vma=False))
 
@@ -195,7 +196,7 @@ def _packed(mesh: Mesh, arrays: Sequence[jax.Array]) -> jax.Array:
                                     and a.sharding.memory_kind in (None, "device")
                                     for a in arrays)
       and own.devices.size == mesh.devices.size
-      and all(a is b for a, b in zip(own.devices.flat, mesh.devices.flat))):
+      and all(a is b for a, b in zip(own.devices.flat, mesh.devices.flat, strict=True))):
     buf = _pack_fn(own, tuple(a.sharding.spec for a in arrays))(*arrays)
     return jax.make_array_from_single_device_arrays(
         buf.shape, rows, [s.data for s in buf.addressable_shards])
@@ -224,7 +225,8 @@ def _perm_key(src: Mesh, dst: Mesh, order: tuple[jax.Device, ...]) -> tuple[tupl
   """The permutation that moves each device of ``src`` to the device at the
   same place in ``dst``, as (from, to) positions in ``order``."""
   pos = {d: i for i, d in enumerate(order)}
-  return tuple(sorted((pos[a], pos[b]) for a, b in zip(src.devices.flat, dst.devices.flat)))
+  return tuple(sorted((pos[a], pos[b])
+                      for a, b in zip(src.devices.flat, dst.devices.flat, strict=True)))
 
 
 def ring_permute(arrays: Sequence[jax.Array], targets: Sequence[NamedSharding]
@@ -241,12 +243,12 @@ def ring_permute(arrays: Sequence[jax.Array], targets: Sequence[NamedSharding]
   mesh = _device_mesh()
   flat = tuple(mesh.devices.flat)
   groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
-  for i, (a, t) in enumerate(zip(arrays, targets)):
+  for i, (a, t) in enumerate(zip(arrays, targets, strict=True)):
     groups.setdefault(_perm_key(a.sharding.mesh, t.mesh, flat), []).append(i)
   order = sorted(groups)
   packed = [_packed(mesh, [arrays[i] for i in groups[p]]) for p in order]
   out = []
-  for p, buf in zip(order, _move_fn(mesh, tuple(order))(*packed)):
+  for p, buf in zip(order, _move_fn(mesh, tuple(order))(*packed), strict=True):
     which = groups[p]
     offsets = np.cumsum([0] + [shard_nbytes(arrays[i]) for i in which[:-1]]).tolist()
     out.append((buf, which, offsets))

@@ -95,7 +95,7 @@ def _parse_kill(text: str) -> Any:
 def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
   """A plain-text table (the core CLI has no dependency beyond the engine's)."""
   widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-  line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))  # noqa: E731
+  line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
   return "\n".join([title, line(header), line(["-" * w for w in widths]),
                     *[line(r) for r in rows]])
 

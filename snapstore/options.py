@@ -60,14 +60,15 @@ class SnapshotOptions:
       one domain of a group is recoverable for ``1 + 1/k`` of the state in RAM
       instead of ``2x`` (multi-host; ``snapstore plan`` shows both).
     parity_k: with ``redundancy="parity"``: the data domains per parity block.
-    replica_interval: the replicas (or parity) travel with every this-many-th snapshot
-      (1: every one): the snapshot of step ``s`` carries them when
-      ``(s // interval) % replica_interval == 0`` (``interval="auto"``: when
-      ``s % replica_interval == 0``), the same on every process (a
-      replacement healed in place too; :meth:`carries_replicas`). In between, a store keeps only its own pieces, so losing
-      a domain rewinds to the newest snapshot whose replicas travelled (the
-      restore picks it and reports the rewind). For jobs where the transfer
-      costs more of a step than it should.
+    replica_interval: the replicas (or parity) travel with every
+      this-many-th snapshot (1: every one): the snapshot of step ``s``
+      carries them when ``(s // interval) % replica_interval == 0``
+      (``interval="auto"``: when ``s % replica_interval == 0``), the same on
+      every process (a replacement healed in place too;
+      :meth:`carries_replicas`). In between, a store keeps only its own
+      pieces, so losing a domain rewinds to the newest snapshot whose
+      replicas travelled (the restore picks it and reports the rewind). For
+      jobs where the transfer costs more of a step than it should.
     hosts_per_domain: hosts that fail together, where devices carry no
       ``slice_index`` (``None``: one domain per host).
     store: where snapshots live (:class:`StoreKind`); ``AUTO`` picks the

@@ -177,8 +177,8 @@ def test_a_cpu_topology_without_its_devices_keeps_the_rest():
   kept = _cache_keys.without_devices(topology)
   assert len(kept) < len(topology)  # 8 device entries gone
   assert _cache_keys.without_devices(kept) == kept
-  machine = [p for n, _, p in _cache_keys._fields(topology) if n == 9][0]
-  inner = [p for n, _, p in _cache_keys._fields(machine) if n == 2][0]
+  machine = next(p for n, _, p in _cache_keys._fields(topology) if n == 9)
+  inner = next(p for n, _, p in _cache_keys._fields(machine) if n == 2)
   fields = list(_cache_keys._fields(inner))
   assert all(raw in kept for n, raw, _ in fields if n != 1)  # the target machine stays
   assert len(topology) - len(kept) >= sum(len(raw) for n, raw, _ in fields if n == 1) > 0

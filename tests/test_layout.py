@@ -28,7 +28,7 @@ def test_each_distinct_shard_once_with_its_own_bytes(mesh, spec):
     host = np.random.default_rng(seed).standard_normal((8, 12)).astype(np.float32)
     arr = jax.device_put(host, sharding)
     got = addressable_pieces(3, arr)
-    want = {tuple((s.start or 0, s.stop or n) for s, n in zip(idx, host.shape))
+    want = {tuple((s.start or 0, s.stop or n) for s, n in zip(idx, host.shape, strict=True))
             for idx in sharding.devices_indices_map(host.shape).values()}
     assert {p.index for p, _ in got} == want
     assert len(got) == len(want)

@@ -100,7 +100,7 @@ def test_restores_share_no_memory_with_a_state_still_alive(trainer, store_dir):
     first = mgr.restore(trainer.abstract_state(), step=1).state
     second = mgr.restore(trainer.abstract_state(), step=2).state
     third = mgr.restore(trainer.abstract_state(), step=3).state
-    for s, got in zip((1, 2, 3), (first, second, third)):
+    for s, got in zip((1, 2, 3), (first, second, third), strict=True):
       assert_bitwise_equal(states[s], got)
     del first, second, third, got
     gc.collect()  # jaxlib's deferred releases of the adopted buffers

@@ -89,7 +89,8 @@ def test_per_shard_checksums_match_each_shard(s2d):
 def test_auto_picks_pinned_host_for_slices_and_host_files_otherwise(s2d, store_dir):
   with manager(s2d, store_dir=store_dir) as mgr:
     assert mgr.backend.kind is StoreKind.PINNED_HOST
-    assert mgr.backend.checksum is ChecksumKind.CRC32C  # CPU: the controller reads pinned buffers in place
+    # CPU: the controller reads pinned buffers in place
+    assert mgr.backend.checksum is ChecksumKind.CRC32C
   with SnapshotManager(SnapshotOptions(store_dir=store_dir)) as mgr:
     assert mgr.backend.kind is StoreKind.HOST_FILES
   with pytest.raises(ValueError, match="single controller"):

@@ -111,7 +111,7 @@ class Trainer:
     abstract = jax.eval_shape(self.tx.init, params)
     replicated = NamedSharding(self.mesh, P())
     by_shape = {}
-    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(self._param_shardings)):
+    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(self._param_shardings), strict=True):
       by_shape.setdefault((x.shape, x.dtype), s)
     return jax.tree.map(lambda a: by_shape.get((a.shape, a.dtype), replicated), abstract)
 

@@ -85,7 +85,8 @@ def _summarize(incs: list[Incarnation], out: Path, kill_step: int, total_steps: 
   """Host 0's view of the recovery (host 0 survives the kill in every run)."""
   expected = 1 if in_place else 2
   if len(incs) != expected or not incs[-1].ok or (in_place and incs[0].fallback):
-    raise RuntimeError(f"expected {'one healed incarnation' if in_place else 'one failure and one clean restart'}, "
+    want = "one healed incarnation" if in_place else "one failure and one clean restart"
+    raise RuntimeError(f"expected {want}, "
                        f"got {[i.as_dict() for i in incs]}; logs in {out}")
   first, last = incs[0], incs[-1]
   before = json.loads((out / "inc0-host0.json").read_text())
@@ -200,7 +201,8 @@ def _plot(runs: dict[str, Any], kill_step: int, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(8, 4))
-  for (name, run), color in zip(runs.items(), ("tab:red", "tab:orange", "tab:green")):
+  colors = ("tab:red", "tab:orange", "tab:green")  # one a run, for up to three runs
+  for (name, run), color in zip(runs.items(), colors, strict=False):
     tl = run["timeline"]
     t0 = tl["kill"]  # both runs aligned at their SIGKILL
     for part, style in (("before", "."), ("after", "x")):

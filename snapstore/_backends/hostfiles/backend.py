@@ -134,7 +134,8 @@ class HostFilesBackend(DomainStores):
       # the garbage collector tracks (see PieceTable).
       pieces, parity = split_parity(
           (piece_row(p.leaf, p.index, off, p.nbytes, c, owner, ChecksumKind.CRC32C)
-           for p, off, c, owner in zip(cap.pieces, offsets[store.host], crcs, cap.owners)),
+           for p, off, c, owner in zip(cap.pieces, offsets[store.host], crcs, cap.owners,
+                                       strict=True)),
           cap.parity)
       store.commit(Manifest(pieces=pieces,
                             created=time.time(), host=store.host, slot=slot,
@@ -226,7 +227,7 @@ class HostFilesBackend(DomainStores):
     crcs = copy_crc_many(span, out, rows)
     got: list[Any] = []
     leaf = None
-    for rec, ok, crc, at in zip(recs, usable, crcs, rows[::3]):
+    for rec, ok, crc, at in zip(recs, usable, crcs, rows[::3], strict=True):
       if not ok or crc != rec.checksum[0]:
         got.append(None)
         continue

@@ -126,7 +126,8 @@ class PinnedHostBackend(DomainStores):
       sums = sums_of[sid]
       pieces, parity = split_parity(
           (piece_row(p.leaf, p.index, pos, p.nbytes, ck, owner, cap.kind(p.leaf, p.index))
-           for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums))), cap.parity)
+           for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums, strict=True))),
+          cap.parity)
       nbytes += cap.nbytes(sid)
       store.fill(slot, cap.arrays[sid], cap.host_devices.get(sid))
       store.commit(Manifest(pieces=pieces,
@@ -207,7 +208,7 @@ class PinnedHostBackend(DomainStores):
         return None
       out, rows = sums
       got = np.asarray(out)
-      for (copy, _), (device, _) in zip(picks, wanted):
+      for (copy, _), (device, _) in zip(picks, wanted, strict=True):
         if as_checksum(got[rows[device]]) != tuple(copy.record.checksum):
           raise BadCopy(copy.key(plan.step), spec.path, holder=f"slice {copy.store}")
     except BadCopy as e:

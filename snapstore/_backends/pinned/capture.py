@@ -94,10 +94,10 @@ class PinnedCapture:
                          pool=pool, chunk_bytes=chunk_bytes)
     for d, (cap, places, devices) in jobs.items():
       parts = [bufs[d][at:at + p.nbytes].view(dtype).reshape(shape)
-               for p, at, (dtype, shape) in zip(cap.pieces, offsets[d], kinds[d])]
+               for p, at, (dtype, shape) in zip(cap.pieces, offsets[d], kinds[d], strict=True)]
       sums = self.host_sums.setdefault(d, {})
       where = self.host_devices.setdefault(d, {})
-      for pos, device, part, crc in zip(places, devices, parts, crcs[d]):
+      for pos, device, part, crc in zip(places, devices, parts, crcs[d], strict=True):
         self.arrays[d][pos] = part
         where[pos] = device
         sums[pos] = crc
@@ -112,7 +112,7 @@ class PinnedCapture:
     done = self.host_sums.get(domain, {})
     rest = [(pos, p) for pos, (p, _) in enumerate(self.pieces[domain]) if pos not in done]
     got = dict(zip((pos for pos, _ in rest),
-                   pool.map(lambda x: self.sums[(x[1].leaf, x[1].index)](), rest)))
+                   pool.map(lambda x: self.sums[(x[1].leaf, x[1].index)](), rest), strict=True))
     return [done[pos] if pos in done else got[pos] for pos in range(len(self.pieces[domain]))]
 
 
@@ -147,7 +147,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     cap.host = {d: (HostCapture(list(specs), [], [], [], {}), [], []) for d in ring.order}
   planned: list[tuple[int, jax.Array, _LeafPlan]] = []
   protect: list[tuple[int, jax.Array]] = []
-  for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+  for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if i == len(specs) // 2:
       _faults.point("capture", step)
     if spec.kind is LeafKind.SCALAR:
@@ -253,7 +253,8 @@ def _host_rows(leaf: int, layout: HolderLayout, device_ids: tuple[int, ...], rin
     per[d].append((_kept(leaf, index, n, keep[(index, d)]), piece_of(leaf, index, n),
                    view_of[index], device))
   return _HostRows(tuple(views),
-                   tuple((d, *map(tuple, zip(*rows))) for d, rows in per.items() if rows))
+                   tuple((d, *map(tuple, zip(*rows, strict=True)))
+                         for d, rows in per.items() if rows))
 
 
 def _add_host_leaf(cap: PinnedCapture, leaf: int, path: str, arr: jax.Array, ring: _Ring,
