@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -361,7 +361,8 @@ class Assembler:
     bufs = [got.get((leaf, idx)) for _, idx in wanted]
     if not all(type(b) is np.ndarray for b in bufs):
       return None
-    arr = _place_host(spec, sharding, wanted, bufs)  # (they are private: adopted)
+    host = cast(list[np.ndarray], bufs)  # (checked above)
+    arr = _place_host(spec, sharding, wanted, host)  # (they are private: adopted)
     return jax.random.wrap_key_data(arr, impl=spec.key_impl) if spec.kind is LeafKind.KEY else arr
 
   def tree(self, target_specs: Sequence[LeafSpec], targets: Sequence[Any]) -> list[Any]:
@@ -380,20 +381,20 @@ def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Regio
   at once by ``fast`` where it can)."""
   whole = full(spec.shape)
   if wants_numpy(spec, target_spec, target):
-    arr, fresh = region(whole, None)
-    arr = np.asarray(arr) if fresh else np.array(arr, copy=True)
-    return arr[()] if isinstance(target, np.generic) else arr
+    data, fresh = region(whole, None)
+    out = np.asarray(data) if fresh else np.array(data, copy=True)
+    return out[()] if isinstance(target, np.generic) else out
   sharding = target_sharding(target)
   on_device = (sharding.with_memory_kind("device")
                if sharding.memory_kind not in (None, "device") else sharding)
   wanted = _wanted(on_device, tuple(spec.shape))
-  arr = fast(on_device, wanted) if fast is not None else None
+  arr: jax.Array | None = fast(on_device, wanted) if fast is not None else None
   if arr is None:
     host: dict[Index, np.ndarray] = {}  # one host region per distinct index
     bufs: list[Any] = []
     puts: list[int] = []  # positions in bufs of host regions still to put
     for device, nidx in wanted:
-      got = host.get(nidx)
+      got: Stored | None = host.get(nidx)
       if got is None:
         got, _ = region(nidx, device)
         if not isinstance(got, jax.Array):

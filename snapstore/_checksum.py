@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 try:
   from . import _stream
 except ImportError:  # built without a C compiler: numpy copies (the same bytes, slower)
-  _stream = None
+  _stream = None  # type: ignore[assignment]  # checked before every use (FUSED)
 
 Checksum = tuple[int, ...]
 

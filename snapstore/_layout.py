@@ -16,7 +16,7 @@ import functools
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -273,7 +273,7 @@ def _piece_plan(leaf_idx: int, sharding: jax.sharding.Sharding, shape: tuple[int
                 itemsize: int) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
   """(device ids, pieces): one device per distinct index, lowest id first."""
   out: dict[Index, tuple[int, Piece]] = {}
-  idx_map = sharding.addressable_devices_indices_map(shape)
+  idx_map: Mapping[jax.Device, Any] = sharding.addressable_devices_indices_map(shape)
   for device in sorted(idx_map, key=lambda d: d.id):
     idx = _index.normalize(idx_map[device], shape)
     if idx not in out:
@@ -345,7 +345,7 @@ def _device_id(x: jax.Array) -> int:
   """A single-device array's device id: its sharding's device where JAX
   keeps one (a third of the cost of ``devices()``, which builds a set)."""
   try:
-    return x.sharding._device.id
+    return x.sharding._device.id  # type: ignore[attr-defined]  # SingleDeviceSharding's
   except AttributeError:
     return next(iter(x.devices())).id
 

@@ -56,7 +56,7 @@ class PieceRecord(NamedTuple):
   """
 
   leaf: int
-  index: Index
+  index: Index  # type: ignore[assignment]  # the field's name shadows tuple.index
   offset: int
   nbytes: int
   checksum: tuple[int, ...]
@@ -125,7 +125,7 @@ class PieceTable(Sequence[PieceRecord]):
   def __len__(self) -> int:
     return len(self.rows)
 
-  def __getitem__(self, i):  # type: ignore[override]
+  def __getitem__(self, i):
     if isinstance(i, slice):
       return tuple(self.record(r) for r in self.rows[i])
     return self.record(self.rows[i])
@@ -347,7 +347,7 @@ def _from_doc(doc: Any) -> Manifest:
       step=_int(doc["step"]), host=_int(doc["host"]),
       num_hosts=_int(doc["num_hosts"], 1), tree_digest=_str(doc["tree_digest"]),
       slot=_int(doc["slot"]), chunk_bytes=_int(doc["chunk_bytes"], 1),
-      leaves=leaves, pieces=tuple(pieces), scalars=scalars,
+      leaves=leaves, pieces=PieceTable(pieces), scalars=scalars,
       extra=doc.get("extra"), created=float(created), parity=tuple(parity))
 
 

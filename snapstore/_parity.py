@@ -229,6 +229,7 @@ def encode(st: Stripes, arrays: Sequence[jax.Array], length: int, *, op: str = "
   parity never meets a communicator of a dead process."""
   if op not in OPS:
     raise ValueError(f"op is one of {OPS}, got {op!r}")
+  rounds: tuple[tuple[tuple[int, int], ...], ...]
   if op == "sum_reduce_scatter":
     mesh, spec, rounds = st.mesh, P(("stripe", "member")), ()
   else:

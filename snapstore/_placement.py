@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) ->
     return {d.process_index: d.process_index // hosts_per_domain for d in devices}
   slices = {d.process_index: getattr(d, "slice_index", None) for d in devices}
   if None not in slices.values() and len(set(slices.values())) > 1:
-    return {h: int(s) for h, s in slices.items()}
+    return {h: int(s) for h, s in slices.items() if s is not None}
   return {d.process_index: d.process_index for d in devices}
 
 
@@ -83,9 +83,10 @@ def _replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
   if replicas == 0 or not isinstance(sharding, NamedSharding):
     return ()
   num_domains = len(set(domains.values()))
-  if num_domains < 2 or len({domains[d.process_index] for d in sharding.device_set}) < 2:
+  device_set: set[jax.Device] = sharding.device_set
+  if num_domains < 2 or len({domains[d.process_index] for d in device_set}) < 2:
     return ()
-  idx_map = sharding.devices_indices_map(shape)
+  idx_map: Mapping[jax.Device, Any] = sharding.devices_indices_map(shape)
   holders: dict[tuple, set[int]] = collections.defaultdict(set)
   for d, idx in idx_map.items():
     holders[normalize(idx, shape)].add(domains[d.process_index])
@@ -107,7 +108,8 @@ def _replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
 def owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[tuple, int]:
   """global index -> lowest process index holding it in ``sharding``."""
   out: dict[tuple, int] = {}
-  for d, idx in sharding.devices_indices_map(shape).items():
+  idx_map: Mapping[jax.Device, Any] = sharding.devices_indices_map(shape)
+  for d, idx in idx_map.items():
     key = normalize(idx, shape)
     out[key] = min(out.get(key, d.process_index), d.process_index)
   return out
@@ -197,7 +199,8 @@ def _packed(mesh: Mesh, arrays: Sequence[jax.Array]) -> jax.Array:
                                     for a in arrays)
       and own.devices.size == mesh.devices.size
       and all(a is b for a, b in zip(own.devices.flat, mesh.devices.flat, strict=True))):
-    buf = _pack_fn(own, tuple(a.sharding.spec for a in arrays))(*arrays)
+    specs = tuple(cast(NamedSharding, a.sharding).spec for a in arrays)  # checked above
+    buf = _pack_fn(own, specs)(*arrays)
     return jax.make_array_from_single_device_arrays(
         buf.shape, rows, [s.data for s in buf.addressable_shards])
   stacked = []
@@ -244,7 +247,8 @@ def ring_permute(arrays: Sequence[jax.Array], targets: Sequence[NamedSharding]
   flat = tuple(mesh.devices.flat)
   groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
   for i, (a, t) in enumerate(zip(arrays, targets, strict=True)):
-    groups.setdefault(_perm_key(a.sharding.mesh, t.mesh, flat), []).append(i)
+    mesh_of = cast(NamedSharding, a.sharding).mesh  # ring_permutable arrays only
+    groups.setdefault(_perm_key(mesh_of, t.mesh, flat), []).append(i)
   order = sorted(groups)
   packed = [_packed(mesh, [arrays[i] for i in groups[p]]) for p in order]
   out = []
@@ -303,12 +307,13 @@ def _holder_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
   """:func:`holder_layout`, ``device_ids`` in position order; or the first
   device of no domain, as text."""
   where = {device.id: d for device, d in domain_of}
-  indices = {device.id: idx for device, idx in
-             sharding.addressable_devices_indices_map(shape).items()}
+  idx_map: Mapping[jax.Device, Any] = sharding.addressable_devices_indices_map(shape)
+  indices = {device.id: idx for device, idx in idx_map.items()}
   out: dict[Index, dict[int, int]] = {}
   for at, device_id in enumerate(device_ids):
     d = where.get(device_id)
     if d is None:
-      return next(str(x) for x in sharding.device_set if x.id == device_id)
+      device_set: set[jax.Device] = sharding.device_set
+      return next(str(x) for x in device_set if x.id == device_id)
     out.setdefault(normalize(indices[device_id], shape), {}).setdefault(d, at)
   return tuple((index, tuple(held.items())) for index, held in out.items())

@@ -92,7 +92,7 @@ def _parse_kill(text: str) -> Any:
     raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
   """A plain-text table (the core CLI has no dependency beyond the engine's)."""
   widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
   line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731

@@ -126,7 +126,8 @@ class SnapshotOptions:
 
   def __post_init__(self):
     if self.interval == "auto":
-      if type(self.host_mtbf_s) not in (int, float) or not self.host_mtbf_s > 0:
+      mtbf = self.host_mtbf_s
+      if type(mtbf) not in (int, float) or mtbf is None or not mtbf > 0:
         raise ValueError("interval='auto' needs host_mtbf_s: one host's mean time "
                          f"between failures in seconds, got {self.host_mtbf_s!r}")
     else:

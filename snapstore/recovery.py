@@ -130,6 +130,8 @@ def start_service(bind_address: str, num_processes: int, *,
 
 def set_flags(*, collective_timeout_s: int = 30) -> None:
   """XLA flags for recoverable collectives; before the backend starts."""
+  flags: tuple[str, ...]
+  env: dict[str, str]
   if jax.config.jax_platforms and "cuda" in jax.config.jax_platforms:
     flags, env = GPU_FLAGS, GPU_ENV
   elif jax.config.jax_platforms == "cpu":
@@ -267,9 +269,10 @@ class InPlace:
                poll_s: float = 0.05, abort_after_s: float | None = DEFAULT_ABORT_AFTER_S):
     from jax._src import distributed
     from jax.experimental.multihost_utils import ProcessFailureError, live_devices
-    self._client = distributed.global_state.client
-    if self._client is None:
+    client = distributed.global_state.client
+    if client is None:
       raise RuntimeError("join the job first (snapstore.recovery.initialize)")
+    self._client = client
     self._live_devices = live_devices
     self.FAILURES: tuple[type[BaseException], ...] = (
         ProcessFailureError, MembersMissing, PeerFailed, jax.errors.JaxRuntimeError)
@@ -311,7 +314,9 @@ class InPlace:
     :class:`PeerFailed` if the body raised on another process: a failure
     anywhere fails the step everywhere, so every process restores together."""
     with self._live_devices(self._all) as devices:
-      incarnations = dict(self._live_devices.devices)
+      live = self._live_devices.devices
+      assert live is not None  # set on entering the block
+      incarnations = dict(live)
       key = tuple(sorted((d.id, int(incarnations[d])) for d in devices))
       if key != self._entered:  # blocks are counted per membership, alike everywhere
         self._entered, self._block = key, 0
@@ -372,11 +377,12 @@ class InPlace:
     order = _group.devices()
     if docs:  # a draw every process makes alike, from the same orders
       stale = set().union(*(_group.cliques(d["order"]) for d in docs.values()))
-      order = _group.rekeyed(incarnations, stale, {d.id for d in self._all})
-      if order is None:
+      fresh_order = _group.rekeyed(incarnations, stale, {d.id for d in self._all})
+      if fresh_order is None:
         raise RestartRequired(f"no device order is left whose every group is new after "
                               f"{len(docs)} memberships; a full restart clears the old "
                               "communicators")
+      order = fresh_order
     self._order_name = hashlib.sha256(repr((key, len(same))).encode()).hexdigest()
     with contextlib.suppress(Exception):  # ALREADY_EXISTS: another process wrote it
       self._client.key_value_set(f"{_ORDERS}/{self._order_name}", json.dumps(

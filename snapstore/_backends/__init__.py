@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent import futures
+from typing import Any
 
 import jax
 
@@ -47,7 +48,7 @@ def resolve_kind(kind: StoreKind, slices: Mapping[int, Sequence[jax.Device]] | N
 
 def choose(options: SnapshotOptions, *, host: int, num_hosts: int,
            slices: Mapping[int, Sequence[jax.Device]] | None,
-           pool: futures.Executor) -> Backend:
+           pool: futures.Executor) -> Backend[Any]:
   """The backend for ``options.store`` (AUTO resolved), built once."""
   if slices is not None and num_hosts > 1:
     raise ValueError("slices= is for a single controller (one process); with "

@@ -94,6 +94,8 @@ def _summarize(incs: list[Incarnation], out: Path, kill_step: int, total_steps: 
   r = after["restores"][-1]
   times = {int(k): v for k, v in after["times"].items()}
   kill_t = first.kill_time
+  if kill_t is None:
+    raise RuntimeError(f"the kill did not fire; logs in {out}")
   # Every process restores at once (one exchange opens the restore), so it
   # starts when the last of them gets there: host 0, first up, otherwise
   # counts the others' start-up in its own restore call.

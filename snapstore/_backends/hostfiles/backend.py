@@ -65,7 +65,8 @@ class HostFilesBackend(DomainStores):
                pool: futures.Executor):
     self.options = options
     self._pool = pool
-    self.prefetch_pool = pool  # host copies: fetched in parallel (Assembler.prefetch)
+    # host copies: fetched in parallel (Assembler.prefetch)
+    self.prefetch_pool: futures.Executor | None = pool
     self.prefetch_workers = options.copy_threads
     self._host = host
     self._domain_of = ({d: k for k, devs in slices.items() for d in devs}

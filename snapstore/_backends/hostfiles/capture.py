@@ -21,7 +21,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -113,7 +113,8 @@ def _received_plan(src: jax.sharding.NamedSharding, dst: jax.sharding.NamedShard
   inverse = dict(zip(dst.mesh.devices.flat, src.mesh.devices.flat, strict=True))
   idx_map = src.devices_indices_map(shape)
   plan = []
-  for device in out.addressable_devices:
+  devices: set[jax.Device] = out.addressable_devices
+  for device in devices:
     index = normalize(idx_map[inverse[device]], shape)
     plan.append((device.id, index, index_nbytes(index, itemsize)))
   return tuple(sorted(plan))
@@ -182,7 +183,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       owner_of = owners(arr.sharding, tuple(arr.shape))
       transfers.extend(Transfer(i, arr, rs, owner_of, mine) for rs in shardings)
   _replicate(cap, transfers, step=step, batch_bytes=replica_batch_bytes)
-  if protect:
+  if protect and stripes is not None:  # (protect is filled only with stripes)
     _add_parity(cap, stripes, protect, host=host, step=step)
   return cap
 
@@ -243,7 +244,8 @@ def _plain(spec: LeafSpec, leaf: Any) -> jax.Array:
 
 @functools.lru_cache(maxsize=4096)
 def _on_cpu(sharding: jax.sharding.Sharding) -> bool:
-  return all(d.platform == "cpu" for d in sharding.device_set)
+  devices: set[jax.Device] = sharding.device_set
+  return all(d.platform == "cpu" for d in devices)
 
 
 def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any]
@@ -478,5 +480,7 @@ def _domain_rows(leaf: int, layout: HolderLayout, order: tuple[int, ...], replic
     views.append(at_of.get(keepers[0], at_of[owner]))
     for d in keepers:
       per[d].append((piece, owner, view, at_of.get(d, at_of[owner])))
-  return tuple(views), tuple((d, *map(tuple, zip(*rows, strict=True)))
-                             for d, rows in per.items() if rows)
+  # (each rows' columns, transposed: domain, pieces, owners, views, positions)
+  columns = tuple((d, *map(tuple, zip(*rows, strict=True))) for d, rows in per.items() if rows)
+  return tuple(views), cast(tuple[tuple[int, tuple[Piece, ...], tuple[int, ...],
+                                        tuple[int, ...], tuple[int, ...]], ...], columns)

@@ -32,6 +32,7 @@ import re
 import shutil
 import stat
 from pathlib import Path
+from typing import cast
 
 import msgpack
 import numpy as np
@@ -413,5 +414,5 @@ def scan(root: Path, *, run_id: str, host: int,
     for gone in set(cache) - seen:
       del cache[gone]
   valid = sorted([e for e in out if e[1] is not None],
-                 key=lambda e: (e[1].step, e[1].incarnation))
+                 key=lambda e: (cast(Manifest, e[1]).step, cast(Manifest, e[1]).incarnation))
   return valid + [e for e in out if e[1] is None]

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -146,22 +146,28 @@ class PinnedHostBackend(DomainStores):
     path, dtype = plan.path_and_dtype(rec)
     holder = f"slice {copy.store}"
     key = piece_key(path, rec.index)
+    got: Stored | None
     try:
       stored = self._stored(copy)
       if rec.kind is ChecksumKind.CRC32C:  # a private copy, verified as it is made
-        got = copy_verified(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes,
-                            key=key, pool=self._pool if out is None else None, out=out)
+        host = copy_verified(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes,
+                             key=key, pool=self._pool if out is None else None, out=out)
+        if host is None:
+          got = None
+        elif rec.leaf < 0:
+          got = host.view(dtype)
+        else:
+          got = host.view(dtype).reshape(shape_of(rec.index))
         ok = got is not None
-        if ok:
-          got = got.view(dtype) if rec.leaf < 0 else got.view(dtype).reshape(shape_of(rec.index))
-      else:
-        got = jax.device_put(stored, SingleDeviceSharding(device or device_of(stored)))
+      else:  # (a device-summed copy is a jax.Array)
+        on = device or device_of(cast(jax.Array, stored))
+        got = jax.device_put(stored, SingleDeviceSharding(on))
         ok = as_checksum(device_checksum(got)) == tuple(rec.checksum)
     except (RuntimeError, KeyError) as e:  # JaxRuntimeError (slice lost), freed buffers
       raise BadCopy(copy.key(plan.step), path,
                     why=f"unreadable ({str(e).splitlines()[0] if str(e) else e!r})",
                     holder=holder) from e
-    if not ok:
+    if not ok or got is None:
       raise BadCopy(copy.key(plan.step), path, holder=holder)
     return got
 
