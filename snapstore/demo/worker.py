@@ -76,9 +76,10 @@ def main() -> int:
       replica_interval=a.replica_interval,
       hosts_per_domain=a.hosts_per_domain)
   attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))
-  report: dict[str, Any] = {"host": host, "incarnation": inc, "attempt": attempt, "pid": os.getpid(),
-            "in_place": in_place, "losses": {}, "digests": {}, "times": {}, "save_s": {},
-            "started": started, "restores": [], "recoveries": [], "phases": []}
+  report: dict[str, Any] = {
+      "host": host, "incarnation": inc, "attempt": attempt, "pid": os.getpid(),
+      "in_place": in_place, "losses": {}, "digests": {}, "times": {}, "save_s": {},
+      "started": started, "restores": [], "recoveries": [], "phases": []}
 
   def mark(name: str) -> None:  # a timeline of this process, for the demo's report
     report["phases"].append((name, time.time()))
