@@ -156,8 +156,8 @@ def run(mb: int, repeats: int, only: Sequence[str] | None = None,
     systems = [x for x in _systems(work, mesh, abstract) if only is None or x.name in only]
     # Two rounds warm up (allocation, compilation): snapstore's stores with
     # keep=1 write two slots in turn, and the second slot's first touch
-    # (0.4-0.6 s of kernel time in a scratch run: fresh memory in this VM)
-    # fell in the first timed round.
+    # (the kernel faulting in fresh memory) would fall in the first timed
+    # round.
     for r in range(repeats + _WARMUP):
       for sys_ in systems:
         t = time.perf_counter()

@@ -3,9 +3,8 @@
 On GPU, JAX aborts the NCCL communicators when a process fails. XLA's CPU
 communicators cannot be aborted (jaxlib: "Aborting communicator is not
 implemented"), and a survivor blocked in a gloo collective whose data was to
-come through the dead process waits out the whole collective timeout. That
-was the demo's detection tail: 10 s (the timeout) in most in-place runs,
-against ~1 s when the barrier saw the death first.
+come through the dead process waits out the whole collective timeout,
+where a survivor that meets the death at a barrier sees it at once.
 
 Gloo fails a collective at once when one of its connections closes. So each
 process of an in-place job runs a :class:`Watchdog`: a thread that beats in

@@ -28,11 +28,9 @@ from ._planner import Copy, CopyKey, StepPlan
 Stored = np.ndarray | jax.Array
 
 #: The least bytes of one prefetch task. A task is otherwise a share of the
-#: restore: two per worker thread (fewer, bigger tasks hand off less between
-#: threads: 256 MB of 2 MB pieces on two threads, medians side by side in a
-#: scratch script, restored in 29.9 ms with 4 MB tasks, 26.2 with 16 MB,
-#: 21.3 with 64 MB and 22.5 with 128 MB, where an unlucky split left one
-#: thread idle longer).
+#: restore: two per worker thread. Fewer, bigger tasks hand off less between
+#: threads; two a thread keep a split that runs late from leaving the other
+#: thread idle for long.
 PREFETCH_TASK_BYTES = 4 << 20
 
 #: The most bytes one run of small pieces spans (:meth:`PieceSource.fetch_run`):
@@ -162,7 +160,7 @@ class Assembler:
     # One arena for every piece (the restored arrays adopt parts of it),
     # reused from the last restore when nothing uses it any more (._arena);
     # fresh, it is first touched by the copy that fills it, on every core
-    # (per-piece buffers took 40-400 ms for 256 MB, a fresh arena 44-73).
+    # (one buffer a piece would pay an allocation and fresh pages for each).
     total = sum(align(n) for _, n in items)
     arena = self.arenas.take(total) if self.arenas is not None else host_arena(total)
     task_bytes = max(PREFETCH_TASK_BYTES, -(-total // (2 * max(workers, 1))))
@@ -405,8 +403,8 @@ def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Regio
         got = jax.device_put(got, device)
       bufs.append(got)
     if len(puts) == len(bufs):  # all on the host: one call places every shard
-      # (a third of the cost of a put per shard, measured with 500 leaves);
-      # ``bufs`` are private to this restore (verified copies, or cut anew),
+      # (JAX batches the transfers in C++, where a put a shard is a Python
+      # call each); ``bufs`` are private to this restore (verified copies, or cut anew),
       # so the device arrays may adopt them
       arr = _place_host(spec, on_device, wanted, [host[idx] for _, idx in wanted])
     else:
@@ -437,8 +435,7 @@ def _place_host(spec: LeafSpec, sharding: jax.sharding.Sharding,
                 ) -> jax.Array:
   """The array whose shard on each device of ``wanted`` is (adopts, on CPU)
   the host buffer beside it: JAX's own batched put, which
-  ``make_array_from_callback`` ends in, without its per-shard Python
-  (500 leaves of 8 shards: 15 against 24 ms, scratch measurement), where
+  ``make_array_from_callback`` ends in, without its per-shard Python, where
   this JAX has it; else ``make_array_from_callback``."""
   try:
     from jax._src import core

@@ -76,15 +76,12 @@ FUSED = (_stream is not None and bool(_stream.FUSED)
 
 #: Without :data:`FUSED`, copies go through the cache this many bytes at a
 #: time: each part is checksummed right after it is written, while it is
-#: still in L2. Measured once here (a 256 MB numpy copy, 2 cores): two threads
-#: copy and check at 13.6 GB/s with 256 KiB parts, 10.4 GB/s with 4 MiB ones.
+#: still in L2 (a part bigger than L2 would be read back from memory).
 CACHE_BYTES = 256 << 10
 
 #: Copies of pieces smaller than this on average cost more in Python than in
-#: bytes (~7 us against ~5 us for 64 KiB): a pool's threads only contend for
-#: the GIL over them, so they are copied on the calling thread (500 leaves
-#: of 64 KiB pieces, medians side by side in a scratch script: restore
-#: prefetch 73 against 108 ms, save drain 48 against 57 ms).
+#: bytes: a pool's threads only contend for the GIL over them, so they are
+#: copied on the calling thread.
 SMALL_BYTES = 128 << 10
 
 

@@ -332,7 +332,7 @@ def addressable_data(leaf_idx: int, arr: jax.Array) -> tuple[tuple[Piece, ...], 
 def _shards(arr: jax.Array) -> list[jax.Array] | None:
   """What ``arr.addressable_data(i)`` returns for each position i, in one
   attribute read: JAX's list of the array's single-device arrays (a call a
-  shard cost 2.2 of a 500-leaf save's ~20 ms on the caller's thread, scratch);
+  shard is a noticeable share of a many-leaf save on the caller's thread);
   None where this JAX has no such list, or the array was deleted (the
   per-shard calls then say so)."""
   shards = getattr(arr, "_arrays", None)

@@ -41,7 +41,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 
 class PieceRecord(NamedTuple):
   """One stored piece (a named tuple: a plan makes one for every piece of
-  every manifest, thousands, and a frozen dataclass costs ~4x to make).
+  every manifest, thousands, and a frozen dataclass costs several times as
+  much to make).
 
   Attributes:
     leaf: position of its leaf in ``Manifest.leaves``.
@@ -96,8 +97,8 @@ class PieceTable(Sequence[PieceRecord]):
   Why: the stores keep their manifests, and a state of 500 leaves on 8
   devices has 4,000 pieces a snapshot. As objects they outlive two young
   collections and count towards Python's full collection, which then ran
-  every few snapshots and took ~85 ms in a small JAX process (measured:
-  ``gc.callbacks`` during ``save``). Tuples of plain values are untracked by
+  every few snapshots (``gc.callbacks`` during ``save`` show it). Tuples of
+  plain values are untracked by
   the collector once it has seen them, so rows cost it nothing. msgpack
   writes the rows as they are (:func:`encode`).
   """

@@ -161,7 +161,7 @@ def _to_bytes(x: jax.Array) -> jax.Array:
 # per-leaf work) does not depend on the device pairs, so after an in-place
 # heal's new device order it comes from the persistent compilation cache
 # (:mod:`._cache_keys`); only the one-op permute compiles again. As one
-# program with the unpacking it compiled for ~3 s a process after every heal.
+# program with the unpacking, the whole of it compiled again after every heal.
 @functools.lru_cache(maxsize=4096)  # one per batch layout: a large state has many batches
 def _pack_fn(mesh: Mesh, specs: tuple[P, ...] | None = None) -> Any:
   """Each device's shards of the arguments, as bytes, one after another, as
@@ -189,8 +189,8 @@ def _packed(mesh: Mesh, arrays: Sequence[jax.Array]) -> jax.Array:
   device memory that share a mesh whose devices are ``mesh``'s, in its order
   (a state on its trainer's mesh), are packed where they are, in one
   dispatch; others (and staged ``pinned_host`` copies) are
-  first relabeled onto ``mesh`` one by one (one JAX call per array: ~40 us,
-  the bulk of a save's cost for a state of a hundred small leaves)."""
+  first relabeled onto ``mesh`` one by one (one JAX call per array: the
+  bulk of a save's cost for a state of a hundred small leaves)."""
   rows = _rows(mesh)
   own = arrays[0].sharding.mesh if isinstance(arrays[0].sharding, NamedSharding) else None
   if (isinstance(own, Mesh) and all(isinstance(a.sharding, NamedSharding)

@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   d.add_argument("--total-steps", type=int, default=62)
   d.add_argument("--step-s", type=float, default=0.3,
                  help="pad each step to this long (a sleep standing for accelerator "
-                      "compute; the toy model's own step is ~0.1 s)")
+                      "compute; the toy model's own step is shorter)")
   d.add_argument("--replica-interval", type=int, default=2,
                  help="cross-domain replicas travel with every this-many-th snapshot "
                       "(1: every one; the killed host's store is wiped, so its rewind "

@@ -88,12 +88,13 @@ class SnapshotOptions:
       is captured and drained, and while a restore reads one
       (``_switch.collections_paused``): the thousands of short-lived views a
       save of many leaves makes would otherwise bring full collections every
-      few saves, and a restore's objects one every few restores (~130 ms
-      each, in a JAX process). ``False``: left alone.
+      few saves, and a restore's objects one every few restores (slow in a
+      JAX process, which holds many objects). ``False``: left alone.
     prefault_restore: once the store holds a snapshot (at start, or after
       the first one commits), a background thread faults in the host memory
-      a restore of it copies into, so a recovery does not (256 MB here: a
-      first restore paid 0.1-0.7 s of page faults). That memory is then
+      a restore of it copies into, so a recovery does not pay its page
+      faults (``python -m benchmarks.capture`` reports the first restore in
+      a process: ``restore_first_s``). That memory is then
       handed to the kernel as free-when-needed (``MADV_FREE``): under
       memory pressure it takes the pages back and a restore faults them in
       again. ``False``: memory is taken when a restore needs it.

@@ -9,7 +9,6 @@ from pathlib import Path
 # test starts (they inherit the environment): the test states are tiny, so
 # compiling dominates. JAX's persistent cache does not help the jobs'
 # processes: only process 0 writes it, and each process's cache key differs.
-# A 4-process job's CPU time fell by a quarter (scratch, `time` of one job).
 # Every result a test compares is computed under the same flags.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()

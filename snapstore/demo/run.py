@@ -15,7 +15,7 @@ The killed host is replaced by an empty one (its RAM store is wiped). All
 three continue to the same final step and must end with bitwise equal states.
 
 Each step is padded to ``step_s`` with a sleep: the toy model computes in
-~0.1 s, a real one in seconds, and the pad stands for the accelerator
+a fraction of it, a real one in seconds, and the pad stands for the accelerator
 computing while the host's cores are free. Recompute time scales with it;
 the steps lost do not.
 """

@@ -139,8 +139,8 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
                       checksum=checksum)
   # On CPU a pinned copy is host memory like any other: the drain copies
   # each piece once, checksumming it as it goes, into memory reused from the
-  # slot's last snapshot (a put to pinned_host here cost the caller 1 ms a
-  # leaf, and the drain a second pass for the crc32c and fresh pages).
+  # slot's last snapshot (a put to pinned_host would cost the caller a JAX
+  # call a leaf, and the drain a second pass for the crc32c and fresh pages).
   on_host = checksum is ChecksumKind.CRC32C and all(
       d.platform == "cpu" for devs in ring.slices.values() for d in devs)
   if on_host:
