@@ -17,7 +17,7 @@ import numpy as np
 
 
 def setup_cpu_devices(n: int = 8) -> None:
-  import jax  # noqa: PLC0415
+  import jax
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", n)
 
@@ -52,12 +52,12 @@ class FullCollections:
       self.seconds += time.perf_counter() - self._start
 
   def __enter__(self) -> FullCollections:
-    import gc  # noqa: PLC0415
+    import gc
     gc.callbacks.append(self._callback)
     return self
 
   def __exit__(self, *exc: object) -> None:
-    import gc  # noqa: PLC0415
+    import gc
     gc.callbacks.remove(self._callback)
 
 
@@ -102,9 +102,9 @@ def checked_copy_seconds(sources: Sequence[np.ndarray], copies: int, repeats: in
   (``_checksum.copy_crc``: every copy written from the same loads) on
   ``threads`` threads, into touched, reused buffers, and nothing else: the
   least a store that checks every byte and keeps that many copies pays here."""
-  from concurrent import futures  # noqa: PLC0415
+  from concurrent import futures
 
-  from snapstore._checksum import copy_crc  # noqa: PLC0415
+  from snapstore._checksum import copy_crc
   dsts = [[np.zeros_like(s) for s in sources] for _ in range(copies)]
   jobs = [(s, [d[j] for d in dsts]) for j, s in enumerate(sources)]
   if len(jobs) < threads:  # few big sources: each split between the threads
@@ -126,7 +126,7 @@ def checked_floor(state: Any, repeats: int, memcpy: Memcpy) -> dict[str, float |
   (:func:`checked_copy_seconds`, on one thread and on two): ``seconds``,
   the faster; ``threads``, which; ``vs_memcpy``, the median of ``memcpy``
   samples taken beside the timed runs over ``seconds``."""
-  import jax  # noqa: PLC0415
+  import jax
   sources = [np.asarray(s.data).reshape(-1).view(np.uint8)
              for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
              for s in x.addressable_shards]
@@ -152,14 +152,14 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   for small ones they only contend for the GIL). No checksums, manifests or
   second copies: with many small pieces what is left is per-piece Python
   and JAX's per-shard cost."""
-  from concurrent import futures  # noqa: PLC0415
+  from concurrent import futures
 
-  import jax  # noqa: PLC0415
+  import jax
 
-  from snapstore._assemble import _place_host, _wanted  # noqa: PLC0415
-  from snapstore._arena import host_arena  # noqa: PLC0415
-  from snapstore._index import align, nbytes as index_nbytes, shape_of  # noqa: PLC0415
-  from snapstore._layout import leaf_spec, positions  # noqa: PLC0415
+  from snapstore._arena import host_arena
+  from snapstore._assemble import _place_host, _wanted
+  from snapstore._index import align, nbytes as index_nbytes, shape_of
+  from snapstore._layout import leaf_spec, positions
   leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
   specs = [leaf_spec(f"w{i}", x) for i, x in enumerate(leaves)]
   rows = []  # (leaf, device, index, position, offset, bytes) of each wanted shard
@@ -193,7 +193,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
       by_leaf[j].append(k)
     jax.block_until_ready([
         _place_host(spec, x.sharding, [rows[k][1:3] for k in ks], [parts[k] for k in ks])
-        for x, spec, ks in zip(leaves, specs, by_leaf)])
+        for x, spec, ks in zip(leaves, specs, by_leaf, strict=True)])
 
   with futures.ThreadPoolExecutor(2) as pool:
     two = lambda fn: [y for part in pool.map(fn, halves) for y in (part or [])]  # noqa: E731
@@ -217,20 +217,20 @@ def jax_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   what a restore must end in). Any store that checks the bytes it saves and
   restores pays these plus its copies, so the few-leaves time plus the
   difference of these floors bounds the many-leaves time from below."""
-  import jax  # noqa: PLC0415
+  import jax
 
-  from snapstore._assemble import _place_host, _wanted  # noqa: PLC0415
-  from snapstore._arena import host_arena  # noqa: PLC0415
-  from snapstore._index import align, nbytes as index_nbytes, shape_of  # noqa: PLC0415
-  from snapstore._layout import leaf_spec  # noqa: PLC0415
+  from snapstore._arena import host_arena
+  from snapstore._assemble import _place_host, _wanted
+  from snapstore._index import align, nbytes as index_nbytes, shape_of
+  from snapstore._layout import leaf_spec
   leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
   specs = [leaf_spec(f"w{i}", x) for i, x in enumerate(leaves)]
   shards = [s.data for x in leaves for s in x.addressable_shards]
   wanted = [_wanted(x.sharding, tuple(x.shape)) for x in leaves]
-  total = sum(align(index_nbytes(i, x.dtype.itemsize)) for x, w in zip(leaves, wanted)
+  total = sum(align(index_nbytes(i, x.dtype.itemsize)) for x, w in zip(leaves, wanted, strict=True)
               for _, i in w)
   arena, at, parts = host_arena(total), 0, []
-  for x, w in zip(leaves, wanted):
+  for x, w in zip(leaves, wanted, strict=True):
     parts.append([])
     for _, index in w:
       n = index_nbytes(index, x.dtype.itemsize)
@@ -240,7 +240,7 @@ def jax_floor(state: Any, repeats: int = 5) -> dict[str, float]:
 
   def place() -> None:
     jax.block_until_ready([_place_host(spec, x.sharding, w, p)
-                           for x, spec, w, p in zip(leaves, specs, wanted, parts)])
+                           for x, spec, w, p in zip(leaves, specs, wanted, parts, strict=True)])
 
   hold = lambda: list(map(np.asarray, shards))  # noqa: E731
   hold()
@@ -292,7 +292,7 @@ def run_workers(module: str, argv: Callable[[Path], Sequence[str]], *, prefix: s
   """Runs ``module`` on 4 local hosts (2 CPU devices each) under ``snapstore
   launch`` with ``argv(work) + --out --store`` in a fresh RAM-disk folder;
   returns the JSON host 0 wrote (the hosts' log tails in the error if not)."""
-  from snapstore.launch import launch  # noqa: PLC0415
+  from snapstore.launch import launch
   work = ram_dir(prefix)
   root = str(Path(__file__).resolve().parents[1])
   env = dict(env or {}, PYTHONPATH=os.pathsep.join(
@@ -315,9 +315,9 @@ def cleanup(path: Path) -> None:
 
 
 def make_state(nbytes: int, leaves: int | None = None):
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh((2, 4), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sharding = NamedSharding(mesh, P(("data", "model")))
@@ -335,9 +335,9 @@ def make_state(nbytes: int, leaves: int | None = None):
 def calibrated_step(state: Any, sharding: Any, seconds: float) -> tuple[Any, Any, int]:
   """A jitted, donating step ``fn(state, x, iters) -> (state, y)`` whose
   compute (a tanh-matmul chain) takes about ``seconds``; touches every leaf."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
   w = jax.device_put(jnp.eye(512, dtype=jnp.float32) * 0.999, NamedSharding(sharding.mesh, P()))
   x = jax.device_put(jnp.ones((1024, 512), jnp.float32), NamedSharding(sharding.mesh, P("data")))
 
@@ -366,7 +366,7 @@ def demo_job(work: Path, name: str, steps: int, worker_args: Sequence[str], *,
   ``name`` under ``snapstore launch`` in ``work``: its store in
   ``work/store-<name>``, its reports and logs in ``work/<name>``, one
   incarnation more than there are kills. Returns (incarnations, report dir)."""
-  from snapstore.launch import launch  # noqa: PLC0415
+  from snapstore.launch import launch
   out, store = work / name, work / f"store-{name}"
   out.mkdir()
   incs = launch("snapstore.demo.worker",
@@ -382,4 +382,5 @@ def step_intervals(report: dict[str, Any], skip: int = 3) -> list[float]:
   """Seconds between consecutive steps of one worker report, past the first
   ``skip`` (compilation)."""
   times = [report["times"][k] for k in sorted(report["times"], key=int)]
-  return [b - a for a, b in zip(times[skip:], times[skip + 1:])]
+  # consecutive pairs: the second list is one shorter
+  return [b - a for a, b in zip(times[skip:], times[skip + 1:], strict=False)]

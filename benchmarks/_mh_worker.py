@@ -17,9 +17,9 @@ class Job:
   cores are free, so a snapshot's copy may use them)."""
 
   def __init__(self, mb: int, steps: int, step_s: float):
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
     mesh = jax.make_mesh((jax.device_count(),), ("d",),
                          axis_types=(jax.sharding.AxisType.Auto,))
     sharding = NamedSharding(mesh, P("d"))
@@ -38,8 +38,8 @@ class Job:
 
   def block(self, mgr: Any) -> float:
     """Seconds a step over ``steps`` steps, each saved to ``mgr`` (None: not saved)."""
-    import jax  # noqa: PLC0415
-    from jax.experimental import multihost_utils  # noqa: PLC0415
+    import jax
+    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("block")
     t = time.perf_counter()
     for _ in range(self.steps):
@@ -69,14 +69,14 @@ def main() -> int:
   p.add_argument("--replicas", type=int, default=1)
   p.add_argument("--step-s", type=float, default=0.0)
   a = p.parse_args()
-  from snapstore.launch import init_from_env  # noqa: PLC0415
+  from snapstore.launch import init_from_env
   host, num_hosts, _ = init_from_env()
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  from jax.experimental import multihost_utils  # noqa: PLC0415
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
 
-  import snapstore  # noqa: PLC0415
-  from snapstore._layout import flatten  # noqa: PLC0415
+  import snapstore
+  from snapstore._layout import flatten
 
   job = Job(a.mb, a.steps, a.step_s)
   abstract = job.abstract

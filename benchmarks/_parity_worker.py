@@ -22,13 +22,13 @@ def main() -> int:
   p.add_argument("--out", required=True)
   p.add_argument("--store", required=True)
   a = p.parse_args()
-  from snapstore.launch import init_from_env  # noqa: PLC0415
+  from snapstore.launch import init_from_env
   host, num_hosts, _ = init_from_env()
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  from jax.experimental import multihost_utils  # noqa: PLC0415
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
 
-  import snapstore  # noqa: PLC0415
+  import snapstore
 
   def total(x: float) -> list[float]:  # every host's value, in host order
     return [float(v) for v in np.asarray(multihost_utils.process_allgather(np.array([x])))
@@ -74,12 +74,12 @@ def main() -> int:
 
   # The parity kept (a sum modulo 2**32 around a ring of permutes) against
   # the classic XOR on the same ring, and the sum as one psum_scatter.
-  from snapstore import _group, _parity  # noqa: PLC0415
+  from snapstore import _group, _parity
   st = mgrs["parity"].backend._stripes()
   arrays = list(job.state.values())
   _, length = _parity.layout(st, list(range(len(arrays))), arrays)
   for op in _parity.OPS:
-    run = lambda: _parity.encode(st, arrays, length, op=op,  # noqa: E731
+    run = lambda op=op: _parity.encode(st, arrays, length, op=op,  # noqa: E731
                                  order=_group.devices())
     jax.block_until_ready(run())  # compile
     times = []
@@ -109,7 +109,8 @@ def main() -> int:
       jax.block_until_ready(res.state)
       times.append(time.perf_counter() - t)
     same = all(np.array_equal(np.asarray(s.data), e)
-               for k, v in res.state.items() for s, e in zip(v.addressable_shards, expected[k]))
+               for k, v in res.state.items()
+               for s, e in zip(v.addressable_shards, expected[k], strict=True))
     report[name].update(
         restore_lost_host_s=statistics.median(times), restored_step=res.step,
         newest_step=job.step, bitwise_equal=min(total(float(same))) == 1.0,

@@ -50,16 +50,27 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from benchmarks._common import (FullCollections, Memcpy, calibrated_step, checked_floor,
-                                cleanup, emit, jax_floor, make_state, piecewise_floor, ram_dir,
-                                setup_cpu_devices, upper_median)
+from benchmarks._common import (
+  FullCollections,
+  Memcpy,
+  calibrated_step,
+  checked_floor,
+  cleanup,
+  emit,
+  jax_floor,
+  make_state,
+  piecewise_floor,
+  ram_dir,
+  setup_cpu_devices,
+  upper_median,
+)
 
 
 def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = None,
              gc_saves: int = 20) -> dict:
-  import jax  # noqa: PLC0415
+  import jax
 
-  import snapstore  # noqa: PLC0415
+  import snapstore
   state, sharding = make_state(mb << 20, leaves)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   memcpy = Memcpy(nbytes)

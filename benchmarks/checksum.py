@@ -16,11 +16,11 @@ from benchmarks._common import median_seconds, memcpy_bandwidth, sized_main
 
 
 def run(mb: int, repeats: int) -> dict:
-  import crc32c  # noqa: PLC0415
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import crc32c
+  import jax
+  import numpy as np
 
-  from snapstore._checksum import device_checksum  # noqa: PLC0415
+  from snapstore._checksum import device_checksum
   nbytes = mb << 20
   host = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
   dev = jax.device_put(host, jax.devices()[0])

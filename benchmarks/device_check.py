@@ -37,17 +37,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--repeats", type=int, default=5)
   a = p.parse_args(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cuda")
-  from snapstore import recovery  # noqa: PLC0415
+  from snapstore import recovery
   recovery.set_flags()  # before the backend starts
-  import jax  # noqa: PLC0415
+  import jax
   try:
     gpus = jax.devices("gpu")
   except RuntimeError as e:
     print(json.dumps({"skipped": f"no GPU: {e}"}))
     return 0
-  import numpy as np  # noqa: PLC0415
+  import numpy as np
 
-  import snapstore  # noqa: PLC0415
+  import snapstore
   out: dict = {"devices": [str(d) for d in gpus], "jax": jax.__version__,
                "xla_flags": os.environ.get("XLA_FLAGS", "")}
   n = (a.mb << 20) // 4

@@ -37,7 +37,7 @@ TINY = ("per_device_batch_size=1", "max_target_length=32",
 
 
 def base_yml() -> str:
-  import maxtext  # noqa: PLC0415
+  import maxtext
   return str(Path(maxtext.__file__).parent / "configs" / "base.yml")
 
 
@@ -45,9 +45,9 @@ def grain_args(work: Path, records: int = 256, seed: int = 0) -> list[str]:
   """Writes a pre-tokenized ArrayRecord file of tf.train.Example protos (no
   TensorFlow: MaxText's own protos) and returns MaxText's keys for a grain
   pipeline over it."""
-  import numpy as np  # noqa: PLC0415
-  from array_record.python.array_record_module import ArrayRecordWriter  # noqa: PLC0415
-  from maxtext.input_pipeline.protos import example_pb2  # noqa: PLC0415
+  import numpy as np
+  from array_record.python.array_record_module import ArrayRecordWriter
+  from maxtext.input_pipeline.protos import example_pb2
   path = work / "train.array_record"
   rng = np.random.default_rng(seed)
   writer = ArrayRecordWriter(str(path), "group_size:1")
@@ -71,7 +71,7 @@ def run_job(work: Path, name: str, *, steps: int, period: int, snapshots: bool,
   checkpoints in ``work/orbax``, reports and logs in ``work/<name>``.
   ``data``: MaxText's data keys (``grain_args`` for grain). Returns
   (incarnations, host 0's report of the last incarnation)."""
-  from snapstore.launch import launch  # noqa: PLC0415
+  from snapstore.launch import launch
   out = work / name
   out.mkdir(parents=True)
   store = work / f"store-{name}"
@@ -101,7 +101,7 @@ def _recovery(incs: list[Any], report: dict[str, Any], kill: int) -> dict[str, A
 
 
 def run(steps: int, period: int, kill: int) -> dict[str, Any]:
-  from snapstore.launch import Kill  # noqa: PLC0415
+  from snapstore.launch import Kill
   work = ram_dir("snapstore-maxtext-")
   cache = work / "jax-cache"
   try:

@@ -27,7 +27,7 @@ from benchmarks._common import emit, job_args, run_workers
 
 def run(mb: int, steps: int, rounds: int, repeats: int, replicas: int,
         step_s: float) -> dict:
-  from snapstore.demo.gcs_emulator import GcsEmulator  # noqa: PLC0415
+  from snapstore.demo.gcs_emulator import GcsEmulator
   with GcsEmulator(bucket="bench") as gcs:
     return run_workers(
         "benchmarks._mh_worker",

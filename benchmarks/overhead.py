@@ -14,15 +14,21 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from benchmarks._common import calibrated_step, cleanup, emit, make_state, ram_dir, \
-    setup_cpu_devices
+from benchmarks._common import (
+  calibrated_step,
+  cleanup,
+  emit,
+  make_state,
+  ram_dir,
+  setup_cpu_devices,
+)
 
 
 def run(mb: int, intervals: Sequence[int], steps: int, rounds: int,
         step_factor: float) -> dict:
-  import jax  # noqa: PLC0415
+  import jax
 
-  import snapstore  # noqa: PLC0415
+  import snapstore
   state, sharding = make_state(mb << 20)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   store = ram_dir("snapstore-overhead-")

@@ -20,10 +20,10 @@ from benchmarks._common import cleanup, make_state, ram_dir, sized_main
 
 
 def run(mb: int, repeats: int) -> dict:
-  import jax  # noqa: PLC0415
+  import jax
 
-  import snapstore  # noqa: PLC0415
-  from snapstore.demo.gcs_emulator import GcsEmulator  # noqa: PLC0415
+  import snapstore
+  from snapstore.demo.gcs_emulator import GcsEmulator
   state, _ = make_state(mb << 20)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -69,7 +69,7 @@ def run(mb: int, repeats: int) -> dict:
 
 
 def _flat(state):
-  from snapstore._layout import flatten  # noqa: PLC0415
+  from snapstore._layout import flatten
   specs, leaves, _ = flatten(state)
   return specs, leaves
 

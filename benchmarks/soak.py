@@ -43,7 +43,7 @@ def _job(work: Path, name: str, hosts: int, steps: int, kills: list, env: dict) 
 
 
 def draw_kills(n: int, hosts: int, rng: random.Random) -> list:
-  from snapstore.launch import Kill  # noqa: PLC0415
+  from snapstore.launch import Kill
   out = []
   for i in range(n):
     phase = rng.choice(PHASES) if i else rng.choice(PHASES[:-1])  # nothing to restore yet

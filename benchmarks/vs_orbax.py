@@ -38,7 +38,6 @@ from typing import Any
 
 from benchmarks._common import checked_copy_seconds, cleanup, ram_dir, sized_main
 
-
 _WARMUP = 2
 
 
@@ -52,17 +51,17 @@ class _System:
 
 
 def _systems(work: Any, mesh: Any, abstract: Any) -> list[Any]:
-  import orbax.checkpoint as ocp  # noqa: PLC0415
-  from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter  # noqa: PLC0415
+  import orbax.checkpoint as ocp
+  from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter
 
-  import snapstore  # noqa: PLC0415
+  import snapstore
 
   class Snap(_System):
     # snapstore's drop-in Snapshotter: one store per slice (the two rows of
     # the mesh), as on Pathways: pinned_host arrays (the default with
     # slices), or host files for comparison.
     def __init__(self, store=snapstore.StoreKind.PINNED_HOST):
-      from snapstore.integrations.pathways import Snapshotter as SnapstoreSnapshotter  # noqa: PLC0415
+      from snapstore.integrations.pathways import Snapshotter as SnapstoreSnapshotter
       self.name = ("snapstore" if store is snapstore.StoreKind.PINNED_HOST
                    else f"snapstore_{store.value}")
       rows = mesh.devices
@@ -133,10 +132,10 @@ def run(mb: int, repeats: int, only: Sequence[str] | None = None,
         leaves: int | None = None) -> dict:
   """``leaves``: the same bytes split over this many leaves (default: 16 MB
   leaves)."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh((2, 4), ("replica", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sharding = NamedSharding(mesh, P(None, "model"))
@@ -157,8 +156,8 @@ def run(mb: int, repeats: int, only: Sequence[str] | None = None,
     systems = [x for x in _systems(work, mesh, abstract) if only is None or x.name in only]
     # Two rounds warm up (allocation, compilation): snapstore's stores with
     # keep=1 write two slots in turn, and the second slot's first touch
-    # (0.4-0.6 s of kernel time in a scratch run: fresh memory in this VM)
-    # fell in the first timed round.
+    # (the kernel faulting in fresh memory) would fall in the first timed
+    # round.
     for r in range(repeats + _WARMUP):
       for sys_ in systems:
         t = time.perf_counter()

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from benchmarks._common import sized_main
 from benchmarks.vs_orbax import run
 
-
 MANY_LEAVES = 500
 
 

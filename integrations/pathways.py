@@ -28,8 +28,13 @@ from typing import Any
 
 import jax
 
-from snapstore import (NothingToRestoreError, OrbaxTier, RestoreResult, SnapshotManager,
-                       SnapshotOptions)
+from snapstore import (
+  NothingToRestoreError,
+  OrbaxTier,
+  RestoreResult,
+  SnapshotManager,
+  SnapshotOptions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +130,7 @@ class ElasticTrainer:
             for d in self.elastic.slice_to_devices[s]]
 
   def _on_elastic_event(self) -> None:
-    from pathwaysutils.elastic import elastic as pw_elastic  # noqa: PLC0415
+    from pathwaysutils.elastic import elastic as pw_elastic
     up = pw_elastic.get_active_slice_indices(self.elastic.slice_to_devices)
     self._lost = tuple(sorted(set(self.elastic.all_slice_indices) - set(up)))
     # The lost slices' hosts restart: whatever they held in RAM is gone.
@@ -157,7 +162,7 @@ class ElasticTrainer:
 
     if not self.options.elastic_enabled:
       return attempt()
-    from pathwaysutils.elastic.manager import ElasticRetryLimit  # noqa: PLC0415
+    from pathwaysutils.elastic.manager import ElasticRetryLimit
     minimum = (None if self.options.elastic_min_slice_count == -1
                else self.options.elastic_min_slice_count)
     wrapped = self.elastic.elastic_retry(

@@ -16,12 +16,12 @@ from .errors import (
     UnsafeStoreError as UnsafeStoreError,
     UnsupportedLeafError as UnsupportedLeafError,
 )
-from .metrics import RestoreResult as RestoreResult
-from .metrics import SaveMetrics as SaveMetrics
-from .metrics import Source as Source
-from .options import BusyPolicy as BusyPolicy
-from .options import SnapshotOptions as SnapshotOptions
-from .options import StoreKind as StoreKind
+from .metrics import RestoreResult as RestoreResult, SaveMetrics as SaveMetrics, Source as Source
+from .options import (
+    BusyPolicy as BusyPolicy,
+    SnapshotOptions as SnapshotOptions,
+    StoreKind as StoreKind,
+)
 
 __version__ = "0.1.0"
 

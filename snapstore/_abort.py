@@ -3,9 +3,8 @@
 On GPU, JAX aborts the NCCL communicators when a process fails. XLA's CPU
 communicators cannot be aborted (jaxlib: "Aborting communicator is not
 implemented"), and a survivor blocked in a gloo collective whose data was to
-come through the dead process waits out the whole collective timeout. That
-was the demo's detection tail: 10 s (the timeout) in most in-place runs,
-against ~1 s when the barrier saw the death first.
+come through the dead process waits out the whole collective timeout,
+where a survivor that meets the death at a barrier sees it at once.
 
 Gloo fails a collective at once when one of its connections closes. So each
 process of an in-place job runs a :class:`Watchdog`: a thread that beats in
@@ -40,7 +39,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -89,8 +88,8 @@ def listening_ports() -> set[int]:
   return {c.local_port for c in connections() if c.state == _LISTEN}
 
 
-def shut_down(own_ports: set[int], peer_ports: set[int], *, spare: set[int] = frozenset()
-              ) -> int:
+def shut_down(own_ports: AbstractSet[int], peer_ports: AbstractSet[int], *,
+              spare: AbstractSet[int] = frozenset()) -> int:
   """Shuts down every connected socket of this process accepted on one of
   ``own_ports`` or connected to one of ``peer_ports``, but none with either
   end on a ``spare`` port (the coordination service's); returns how many."""
@@ -128,7 +127,7 @@ class Watchdog:
 
   def __init__(self, client: Any, process_id: int, processes: int, *, after_s: float,
                in_block: Callable[[], float | None], gloo_ports: set[int],
-               spare_ports: set[int] = frozenset(), period_s: float = 0.25) -> None:
+               spare_ports: AbstractSet[int] = frozenset(), period_s: float = 0.25) -> None:
     if not after_s > period_s:
       raise ValueError(f"after_s ({after_s}) must exceed the beat period ({period_s})")
     self._client, self._id, self._processes = client, process_id, processes

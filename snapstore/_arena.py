@@ -3,8 +3,8 @@
 A restore copies every verified piece into one arena of anonymous memory,
 and the restored arrays adopt parts of it (``device_put`` on CPU aliases a
 page-aligned host buffer). Fresh memory costs a page fault and the kernel's
-zeroing per page on first touch: measured here, 256 MB restored into fresh
-pages took 46 ms, into pages touched before 22 ms. So the last arena is kept
+zeroing per page on first touch, which can double a restore's copy time. So
+the last arena is kept
 and the next restore reuses it once nothing uses it any more: no array, view
 or buffer of it is alive (each holds a reference to the mapping, so the
 mapping's reference count says so, once jaxlib's deferred releases have
@@ -14,8 +14,8 @@ kernel takes its pages back only when it needs memory, else the next
 restore finds them in place.
 
 The first restore of a process would still fault a whole arena in, on the
-recovery's path (256 MB: 0.1 s in 4 KiB pages, up to 0.7 s where the kernel
-compacts memory for huge pages, measured here). So the manager has one made
+recovery's path (slower still where the kernel compacts memory for huge
+pages). So the manager has one made
 ahead, in the background (:meth:`ArenaCache.prefault`): once the store
 holds a snapshot, at start or after the first one commits.
 """
@@ -51,14 +51,14 @@ def _mapping(nbytes: int) -> mmap.mmap:
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
 
 #: A prefault goes this many bytes at a time (found by red-teaming): each
-#: call releases the GIL (``mmap.madvise`` holds it: a 1 GiB prefault stopped
-#: the training thread for 0.4-2.5 s), the other threads run between calls
+#: call releases the GIL (``mmap.madvise`` holds it, and a prefault of a
+#: large state stopped the training thread for seconds), the other threads
+#: run between calls
 #: even where the fallback (a write a page, with the GIL) is used, and the
 #: kernel holds the process's memory-map lock for one chunk at a time (with
 #: huge pages it may compact memory meanwhile, and any thread that maps or
-#: unmaps memory waits: XLA's allocator does). A loop mapping and touching
-#: 4 MiB buffers, its longest gap during a 1 GiB prefault: 177-248 ms with
-#: 32 MiB chunks, 4-24 ms with 4 MiB ones.
+#: unmaps memory waits: XLA's allocator does). Smaller chunks keep such a
+#: wait short; bigger ones lengthen it in proportion.
 POPULATE_CHUNK = 4 << 20
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +28,9 @@ from ._planner import Copy, CopyKey, StepPlan
 Stored = np.ndarray | jax.Array
 
 #: The least bytes of one prefetch task. A task is otherwise a share of the
-#: restore: two per worker thread (fewer, bigger tasks hand off less between
-#: threads: 256 MB of 2 MB pieces on two threads, medians side by side in a
-#: scratch script, restored in 29.9 ms with 4 MB tasks, 26.2 with 16 MB,
-#: 21.3 with 64 MB and 22.5 with 128 MB, where an unlucky split left one
-#: thread idle longer).
+#: restore: two per worker thread. Fewer, bigger tasks hand off less between
+#: threads; two a thread keep a split that runs late from leaving the other
+#: thread idle for long.
 PREFETCH_TASK_BYTES = 4 << 20
 
 #: The most bytes one run of small pieces spans (:meth:`PieceSource.fetch_run`):
@@ -162,7 +160,7 @@ class Assembler:
     # One arena for every piece (the restored arrays adopt parts of it),
     # reused from the last restore when nothing uses it any more (._arena);
     # fresh, it is first touched by the copy that fills it, on every core
-    # (per-piece buffers took 40-400 ms for 256 MB, a fresh arena 44-73).
+    # (one buffer a piece would pay an allocation and fresh pages for each).
     total = sum(align(n) for _, n in items)
     arena = self.arenas.take(total) if self.arenas is not None else host_arena(total)
     task_bytes = max(PREFETCH_TASK_BYTES, -(-total // (2 * max(workers, 1))))
@@ -239,7 +237,7 @@ class Assembler:
     return [(k, (g, [], c.record.nbytes) if g is not None else
              self._first_good(k, None, out[c.record.offset - start:
                                            c.record.offset - start + c.record.nbytes]))
-            for (k, c), g in zip(item, got)]
+            for (k, c), g in zip(item, got, strict=True)]
 
   def verified(self, leaf: int, index: Index) -> bool:
     """True once a copy of piece (leaf, index) was verified and kept."""
@@ -361,12 +359,14 @@ class Assembler:
     bufs = [got.get((leaf, idx)) for _, idx in wanted]
     if not all(type(b) is np.ndarray for b in bufs):
       return None
-    arr = _place_host(spec, sharding, wanted, bufs)  # (they are private: adopted)
+    host = cast(list[np.ndarray], bufs)  # (checked above)
+    arr = _place_host(spec, sharding, wanted, host)  # (they are private: adopted)
     return jax.random.wrap_key_data(arr, impl=spec.key_impl) if spec.kind is LeafKind.KEY else arr
 
   def tree(self, target_specs: Sequence[LeafSpec], targets: Sequence[Any]) -> list[Any]:
     by_path = {s.path: i for i, s in enumerate(self.plan.specs)}
-    return [self.leaf(by_path[t.path], t, tgt) for t, tgt in zip(target_specs, targets)]
+    return [self.leaf(by_path[t.path], t, tgt)
+            for t, tgt in zip(target_specs, targets, strict=True)]
 
 
 FastPath = Callable[[jax.sharding.Sharding, Sequence[tuple[jax.Device, Index]]],
@@ -379,20 +379,20 @@ def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Regio
   at once by ``fast`` where it can)."""
   whole = full(spec.shape)
   if wants_numpy(spec, target_spec, target):
-    arr, fresh = region(whole, None)
-    arr = np.asarray(arr) if fresh else np.array(arr, copy=True)
-    return arr[()] if isinstance(target, np.generic) else arr
+    data, fresh = region(whole, None)
+    out = np.asarray(data) if fresh else np.array(data, copy=True)
+    return out[()] if isinstance(target, np.generic) else out
   sharding = target_sharding(target)
   on_device = (sharding.with_memory_kind("device")
                if sharding.memory_kind not in (None, "device") else sharding)
   wanted = _wanted(on_device, tuple(spec.shape))
-  arr = fast(on_device, wanted) if fast is not None else None
+  arr: jax.Array | None = fast(on_device, wanted) if fast is not None else None
   if arr is None:
     host: dict[Index, np.ndarray] = {}  # one host region per distinct index
     bufs: list[Any] = []
     puts: list[int] = []  # positions in bufs of host regions still to put
     for device, nidx in wanted:
-      got = host.get(nidx)
+      got: Stored | None = host.get(nidx)
       if got is None:
         got, _ = region(nidx, device)
         if not isinstance(got, jax.Array):
@@ -403,15 +403,15 @@ def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Regio
         got = jax.device_put(got, device)
       bufs.append(got)
     if len(puts) == len(bufs):  # all on the host: one call places every shard
-      # (a third of the cost of a put per shard, measured with 500 leaves);
-      # ``bufs`` are private to this restore (verified copies, or cut anew),
+      # (JAX batches the transfers in C++, where a put a shard is a Python
+      # call each); ``bufs`` are private to this restore (verified copies, or cut anew),
       # so the device arrays may adopt them
       arr = _place_host(spec, on_device, wanted, [host[idx] for _, idx in wanted])
     else:
       if puts:  # one batched put, adopting the host regions as above
         placed = jax.device_put([bufs[i] for i in puts], [wanted[i][0] for i in puts],
                                 may_alias=True)
-        for i, a in zip(puts, placed):
+        for i, a in zip(puts, placed, strict=True):
           bufs[i] = a
       arr = jax.make_array_from_single_device_arrays(spec.shape, on_device, bufs)
   if on_device is not sharding:
@@ -435,14 +435,13 @@ def _place_host(spec: LeafSpec, sharding: jax.sharding.Sharding,
                 ) -> jax.Array:
   """The array whose shard on each device of ``wanted`` is (adopts, on CPU)
   the host buffer beside it: JAX's own batched put, which
-  ``make_array_from_callback`` ends in, without its per-shard Python
-  (500 leaves of 8 shards: 15 against 24 ms, scratch measurement), where
+  ``make_array_from_callback`` ends in, without its per-shard Python, where
   this JAX has it; else ``make_array_from_callback``."""
   try:
-    from jax._src import core  # noqa: PLC0415
-    from jax._src.interpreters.pxla import batched_device_put  # noqa: PLC0415
+    from jax._src import core
+    from jax._src.interpreters.pxla import batched_device_put
   except ImportError:
-    by_index = {idx: buf for (_, idx), buf in zip(wanted, bufs)}
+    by_index = {idx: buf for (_, idx), buf in zip(wanted, bufs, strict=True)}
     return jax.make_array_from_callback(
         spec.shape, sharding, lambda idx: by_index[normalize(idx, spec.shape)])
   aval = core.ShapedArray(tuple(spec.shape), bufs[0].dtype if bufs else spec.np_dtype)

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 try:
   from . import _stream
 except ImportError:  # built without a C compiler: numpy copies (the same bytes, slower)
-  _stream = None
+  _stream = None  # type: ignore[assignment]  # checked before every use (FUSED)
 
 Checksum = tuple[int, ...]
 
@@ -76,15 +76,12 @@ FUSED = (_stream is not None and bool(_stream.FUSED)
 
 #: Without :data:`FUSED`, copies go through the cache this many bytes at a
 #: time: each part is checksummed right after it is written, while it is
-#: still in L2. Measured once here (a 256 MB numpy copy, 2 cores): two threads
-#: copy and check at 13.6 GB/s with 256 KiB parts, 10.4 GB/s with 4 MiB ones.
+#: still in L2 (a part bigger than L2 would be read back from memory).
 CACHE_BYTES = 256 << 10
 
 #: Copies of pieces smaller than this on average cost more in Python than in
-#: bytes (~7 us against ~5 us for 64 KiB): a pool's threads only contend for
-#: the GIL over them, so they are copied on the calling thread (500 leaves
-#: of 64 KiB pieces, medians side by side in a scratch script: restore
-#: prefetch 73 against 108 ms, save drain 48 against 57 ms).
+#: bytes: a pool's threads only contend for the GIL over them, so they are
+#: copied on the calling thread.
 SMALL_BYTES = 128 << 10
 
 
@@ -128,7 +125,7 @@ def copy_crc_many(src: np.ndarray, dst: np.ndarray, rows: Sequence[int]) -> list
     _stream.copy_crc32c_many(src, dst, table, crcs)
     return crcs.tolist()
   return [copy_crc(dst[a:a + n], src[a:a + n], seed)
-          for a, n, seed in zip(rows[::3], rows[1::3], rows[2::3])]
+          for a, n, seed in zip(rows[::3], rows[1::3], rows[2::3], strict=True)]
 
 
 def copy_crc_gather(dst: np.ndarray, parts: Sequence[tuple[np.ndarray, int, int]]

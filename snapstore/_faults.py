@@ -7,12 +7,13 @@ and incarnation a ``Kill(phase=...)`` names::
 
 Phases: ``step`` (a train step computed and the previous snapshot
 committed, before this step's snapshot; in loops that call it, like
-``snapstore.integrations.maxtext.train``), ``capture`` (half the leaves captured), ``replica`` (a replica
-transfer dispatched, not awaited), ``manifest`` (the data and the manifest's
-temp file written, not renamed), ``restore`` (a plan chosen; on a
-multi-host job its copies verified and agreed on, before any leaf is cut or
-piece moved). The kill is a real SIGKILL of the calling process: no
-handler, no flush, no cleanup runs, exactly as when a host dies.
+``snapstore.integrations.maxtext.train``), ``capture`` (half the leaves
+captured), ``replica`` (a replica transfer dispatched, not awaited),
+``manifest`` (the data and the manifest's temp file written, not renamed),
+``restore`` (a plan chosen; on a multi-host job its copies verified and
+agreed on, before any leaf is cut or piece moved). The kill is a real
+SIGKILL of the calling process: no handler, no flush, no cleanup runs,
+exactly as when a host dies.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def to_slices(index: Index) -> Slices:
 
 def overlap(a: Index, b: Index) -> Index | None:
   """The region ``a`` and ``b`` share, or None (0-d indices always overlap)."""
-  out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+  out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
   return out if all(lo < hi for lo, hi in out) else None
 
 
@@ -76,8 +76,9 @@ def overlaps(pieces: Iterable[Index], region: Index) -> Iterator[tuple[Index, Sl
   for pidx in pieces:
     ov = overlap(pidx, region)
     if ov is not None:
-      yield (pidx, tuple(slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(ov, region)),
-             tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(ov, pidx)))
+      yield (pidx,
+             tuple(slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(ov, region, strict=True)),
+             tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(ov, pidx, strict=True)))
 
 
 def covered(pieces: Iterable[Index], region: Index) -> int:
@@ -104,9 +105,10 @@ def _coverage(indices: Sequence[Index], shape: Sequence[int]) -> np.ndarray | No
   for idx in indices:
     if volume(idx) == 0:
       continue
-    pos = [(bisect.bisect_left(c, a), bisect.bisect_left(c, b)) for c, (a, b) in zip(cuts, idx)]
+    pos = [(bisect.bisect_left(c, a), bisect.bisect_left(c, b))
+           for c, (a, b) in zip(cuts, idx, strict=True)]
     for corner in corners:
-      diff[tuple(p[k] for p, k in zip(pos, corner))] += -1 if sum(corner) % 2 else 1
+      diff[tuple(p[k] for p, k in zip(pos, corner, strict=True))] += -1 if sum(corner) % 2 else 1
   for axis in range(ndim):
     diff = np.cumsum(diff, axis=axis)
   return diff[tuple(slice(0, len(c) - 1) for c in cuts)]
@@ -125,7 +127,7 @@ def tiles(indices: Sequence[Index], shape: Sequence[int]) -> bool:
 
 
 # Remembered by layout: every snapshot of a state has the same ones, and a
-# restore of 500 leaves checked them in ~10 ms each time.
+# restore of many leaves would otherwise check them all again each time.
 @functools.lru_cache(maxsize=4096)
 def _disjoint(indices: tuple[Index, ...]) -> bool:
   if not indices:

@@ -22,8 +22,9 @@ _HOST_RE = re.compile(r"^host-(\d+)$")
 
 def _verify(root: Path, m: Manifest, pool: futures.Executor) -> str | None:
   """None if every piece of ``m`` matches its checksum, else the first bad one."""
-  import mmap  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import mmap
+
+  import numpy as np
   fd = open_regular(root / f"slot-{m.slot}.bin")
   try:
     size = os.fstat(fd).st_size
@@ -52,12 +53,13 @@ def inspect_store(store: os.PathLike[str] | str, *, run_id: str | None = None,
   newer one superseded them; and the step ``restore`` would choose from
   these stores (or why none). ``verify`` re-checks every piece's crc32c."""
   root = Path(store)
-  hosts = sorted((int(m[1]), root / e) for e in os.listdir(root)
-                 if (m := _HOST_RE.match(e)) and (root / e).is_dir())
+  hosts = sorted((int(hm[1]), root / e) for e in os.listdir(root)
+                 if (hm := _HOST_RE.match(e)) and (root / e).is_dir())
   if not hosts and _HOST_RE.match(root.name):
     hosts, root = [(int(root.name.split("-")[1]), root)], root.parent
   run = run_id or root.name
-  rows, valid = [], []
+  rows: list[dict[str, Any]] = []
+  valid: list[Manifest] = []
   with futures.ThreadPoolExecutor(2) as pool:
     for host, hroot in hosts:
       for path, m, why in scan(hroot, run_id=run, host=host):
@@ -69,11 +71,12 @@ def inspect_store(store: os.PathLike[str] | str, *, run_id: str | None = None,
                      pieces=len(m.pieces), parity_blocks=len(m.parity), bytes=m.data_bytes,
                      leaves=len(m.leaves))
         if why is None:
+          assert m is not None  # scan gives a manifest or why there is none
           valid.append(m)
         row["verdict"] = "valid" if why is None else f"invalid: {why}"
         rows.append(row)
   live = set(map(id, _planner.fence(valid)))
-  for row, m in zip([r for r in rows if r["verdict"] == "valid"], valid):
+  for row, m in zip([r for r in rows if r["verdict"] == "valid"], valid, strict=True):
     if id(m) not in live:
       row["verdict"] = "superseded: a newer incarnation restarted from an earlier step"
   lineage: dict[int, dict[str, Any]] = {}

@@ -97,8 +97,9 @@ class AutoInterval:
     step = statistics.median(steps)
     cost, how = self.cost()
     self.interval = young_daly_steps(cost, self.job_mtbf_s, step)
-    self.reason = (f"auto, Young/Daly: sqrt(2 x cost {cost:.4f} s x job MTBF {self.job_mtbf_s:.0f} s)"
-                   f" / step {step:.4f} s -> every {self.interval} steps; cost = {how}")
+    self.reason = (f"auto, Young/Daly: sqrt(2 x cost {cost:.4f} s x job MTBF "
+                   f"{self.job_mtbf_s:.0f} s) / step {step:.4f} s -> every {self.interval} "
+                   f"steps; cost = {how}")
 
 
 Schedule = FixedInterval | AutoInterval

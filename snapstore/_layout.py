@@ -16,7 +16,7 @@ import functools
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -170,7 +170,7 @@ def flatten(tree: Any) -> tuple[list[LeafSpec], list[Any], Any]:
   """Returns (specs, leaves, treedef) of a state pytree."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   paths = _paths(tree, treedef)
-  return [leaf_spec(p, leaf) for p, leaf in zip(paths, leaves)], leaves, treedef
+  return [leaf_spec(p, leaf) for p, leaf in zip(paths, leaves, strict=True)], leaves, treedef
 
 
 _PATHS: dict[Any, tuple[str, ...]] = {}  # treedef -> its leaves' checked key paths
@@ -273,7 +273,7 @@ def _piece_plan(leaf_idx: int, sharding: jax.sharding.Sharding, shape: tuple[int
                 itemsize: int) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
   """(device ids, pieces): one device per distinct index, lowest id first."""
   out: dict[Index, tuple[int, Piece]] = {}
-  idx_map = sharding.addressable_devices_indices_map(shape)
+  idx_map: Mapping[jax.Device, Any] = sharding.addressable_devices_indices_map(shape)
   for device in sorted(idx_map, key=lambda d: d.id):
     idx = _index.normalize(idx_map[device], shape)
     if idx not in out:
@@ -305,7 +305,7 @@ def addressable_pieces(leaf_idx: int, arr: jax.Array) -> list[tuple[Piece, jax.A
   ``jax.random.key_data(leaf)``.
   """
   pieces, data = addressable_data(leaf_idx, arr)
-  return list(zip(pieces, data))
+  return list(zip(pieces, data, strict=True))
 
 
 def addressable_data(leaf_idx: int, arr: jax.Array) -> tuple[tuple[Piece, ...], list[jax.Array]]:
@@ -323,7 +323,7 @@ def addressable_data(leaf_idx: int, arr: jax.Array) -> tuple[tuple[Piece, ...], 
     data = [arr.addressable_data(at[dev]) for dev in ids]
   else:
     data = [shards[at[dev]] for dev in ids]
-  for k, (dev, x) in enumerate(zip(ids, data)):
+  for k, (dev, x) in enumerate(zip(ids, data, strict=True)):
     if _device_id(x) != dev:  # checked, not trusted: by device then
       data[k] = next(s.data for s in arr.addressable_shards if s.device.id == dev)
   return pieces, data
@@ -332,7 +332,7 @@ def addressable_data(leaf_idx: int, arr: jax.Array) -> tuple[tuple[Piece, ...], 
 def _shards(arr: jax.Array) -> list[jax.Array] | None:
   """What ``arr.addressable_data(i)`` returns for each position i, in one
   attribute read: JAX's list of the array's single-device arrays (a call a
-  shard cost 2.2 of a 500-leaf save's ~20 ms on the caller's thread, scratch);
+  shard is a noticeable share of a many-leaf save on the caller's thread);
   None where this JAX has no such list, or the array was deleted (the
   per-shard calls then say so)."""
   shards = getattr(arr, "_arrays", None)
@@ -345,7 +345,7 @@ def _device_id(x: jax.Array) -> int:
   """A single-device array's device id: its sharding's device where JAX
   keeps one (a third of the cost of ``devices()``, which builds a set)."""
   try:
-    return x.sharding._device.id  # noqa: SLF001
+    return x.sharding._device.id  # type: ignore[attr-defined]  # SingleDeviceSharding's
   except AttributeError:
     return next(iter(x.devices())).id
 
@@ -356,7 +356,7 @@ def filled(items: Sequence[Any], sizes: Sequence[int], limit: int) -> list[list[
   costs little)."""
   out: list[list[Any]] = []
   size = limit
-  for item, n in zip(items, sizes):
+  for item, n in zip(items, sizes, strict=True):
     if size >= limit:
       out.append([])
       size = 0

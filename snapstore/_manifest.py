@@ -22,9 +22,16 @@ import msgpack
 from . import errors
 from ._checksum import ChecksumKind
 from ._index import Index, disjoint, nbytes as index_nbytes
+from ._layout import (
+  LeafKind,
+  LeafSpec,
+  check_scalar,
+  check_spec,
+  spec_from_row,
+  spec_row,
+  tree_digest,
+)
 from .options import MAX_INT
-from ._layout import (LeafKind, LeafSpec, check_scalar, check_spec, spec_from_row, spec_row,
-                      tree_digest)
 
 PARITY_LEAF = -1  # the leaf of a parity block's piece record (see ._parity)
 FORMAT = "snapstore/manifest"
@@ -34,7 +41,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 
 class PieceRecord(NamedTuple):
   """One stored piece (a named tuple: a plan makes one for every piece of
-  every manifest, thousands, and a frozen dataclass costs ~4x to make).
+  every manifest, thousands, and a frozen dataclass costs several times as
+  much to make).
 
   Attributes:
     leaf: position of its leaf in ``Manifest.leaves``.
@@ -49,7 +57,7 @@ class PieceRecord(NamedTuple):
   """
 
   leaf: int
-  index: Index
+  index: Index  # type: ignore[assignment]  # the field's name shadows tuple.index
   offset: int
   nbytes: int
   checksum: tuple[int, ...]
@@ -89,8 +97,8 @@ class PieceTable(Sequence[PieceRecord]):
   Why: the stores keep their manifests, and a state of 500 leaves on 8
   devices has 4,000 pieces a snapshot. As objects they outlive two young
   collections and count towards Python's full collection, which then ran
-  every few snapshots and took ~85 ms in a small JAX process (measured:
-  ``gc.callbacks`` during ``save``). Tuples of plain values are untracked by
+  every few snapshots (``gc.callbacks`` during ``save`` show it). Tuples of
+  plain values are untracked by
   the collector once it has seen them, so rows cost it nothing. msgpack
   writes the rows as they are (:func:`encode`).
   """
@@ -118,7 +126,7 @@ class PieceTable(Sequence[PieceRecord]):
   def __len__(self) -> int:
     return len(self.rows)
 
-  def __getitem__(self, i):  # type: ignore[override]
+  def __getitem__(self, i):
     if isinstance(i, slice):
       return tuple(self.record(r) for r in self.rows[i])
     return self.record(self.rows[i])
@@ -263,7 +271,7 @@ def _same(a: Any, b: Any) -> bool:
   if isinstance(a, dict):
     return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
   if isinstance(a, list):
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
   if isinstance(a, float):
     return a == b or (a != a and b != b)
   return a == b
@@ -294,7 +302,7 @@ def decode(data: bytes, *, what: str = "manifest") -> Manifest:
     raise errors.CorruptSnapshotError(f"{what}: its checksum does not match its content")
   try:
     doc = _unpack(body)
-  except Exception as e:  # noqa: BLE001 - as above
+  except Exception as e:  # as above
     raise errors.CorruptSnapshotError(f"{what}: body is not valid msgpack ({e})") from e
   try:
     m = _from_doc(doc)
@@ -340,7 +348,7 @@ def _from_doc(doc: Any) -> Manifest:
       step=_int(doc["step"]), host=_int(doc["host"]),
       num_hosts=_int(doc["num_hosts"], 1), tree_digest=_str(doc["tree_digest"]),
       slot=_int(doc["slot"]), chunk_bytes=_int(doc["chunk_bytes"], 1),
-      leaves=leaves, pieces=tuple(pieces), scalars=scalars,
+      leaves=leaves, pieces=PieceTable(pieces), scalars=scalars,
       extra=doc.get("extra"), created=float(created), parity=tuple(parity))
 
 
@@ -387,7 +395,8 @@ def validate(m: Manifest) -> None:
 
 
 def _inside(index: Index, shape: tuple[int, ...]) -> bool:
-  return len(index) == len(shape) and all(a <= b <= d for (a, b), d in zip(index, shape))
+  return len(index) == len(shape) and all(
+      a <= b <= d for (a, b), d in zip(index, shape, strict=True))
 
 
 def _checksum_count(p: PieceRecord, chunk_bytes: int) -> int:

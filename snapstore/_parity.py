@@ -213,7 +213,7 @@ def layout(st: Stripes, leaves: Sequence[int], arrays: Sequence[jax.Array]
   for ``arrays`` (each :func:`evenly_sharded`)."""
   sizes = [int(np.prod(a.sharding.shard_shape(tuple(a.shape)))) * np.dtype(a.dtype).itemsize
            for a in arrays]
-  owned = [shard_pieces(i, a) for i, a in zip(leaves, arrays)]
+  owned = [shard_pieces(i, a) for i, a in zip(leaves, arrays, strict=True)]
   return [tuple(o[d] for o in owned) for d in st.grid.flat], member_length(pad4_sum(sizes),
                                                                            st.k)
 
@@ -229,6 +229,7 @@ def encode(st: Stripes, arrays: Sequence[jax.Array], length: int, *, op: str = "
   parity never meets a communicator of a dead process."""
   if op not in OPS:
     raise ValueError(f"op is one of {OPS}, got {op!r}")
+  rounds: tuple[tuple[tuple[int, int], ...], ...]
   if op == "sum_reduce_scatter":
     mesh, spec, rounds = st.mesh, P(("stripe", "member")), ()
   else:

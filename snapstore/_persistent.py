@@ -67,8 +67,9 @@ class OrbaxTier:
 
   def save(self, step: int, specs: Sequence[LeafSpec], leaves: Sequence[Any],
            extra: Any) -> None:
-    arrays, scalars = {}, {}
-    for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+    arrays: dict[str, jax.Array | np.ndarray] = {}
+    scalars: dict[str, Any] = {}
+    for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
       if spec.kind is LeafKind.SCALAR:
         scalars[str(i)] = leaf
       elif spec.kind is LeafKind.KEY:
@@ -106,8 +107,8 @@ class OrbaxTier:
           f"step {step} has no committed Orbax checkpoint in {self.directory}")
     meta = self.manager.restore(step, args=ocp.args.Composite(
         **{META: ocp.args.JsonRestore()}))[META]
-    abstract = {}
-    for i, (spec, target) in enumerate(zip(specs, targets)):
+    abstract: dict[str, np.ndarray | jax.ShapeDtypeStruct] = {}
+    for i, (spec, target) in enumerate(zip(specs, targets, strict=True)):
       if spec.kind is LeafKind.SCALAR:
         continue
       if spec.kind is LeafKind.NUMPY:

@@ -2,9 +2,10 @@
 
 A failure domain is a set of hosts that fail together: ``host //
 hosts_per_domain`` where configured, else ``device.slice_index`` where devices
-span several slices, else one domain per host. Replicas are placed by a ring over domains: replica ``r`` of the shard
-on host ``h`` (position ``p`` in domain ``k``) lives on the host at position
-``p`` of domain ``(k + r) % D``, on the device with the same local position.
+span several slices, else one domain per host. Replicas are placed by a
+ring over domains: replica ``r`` of the shard on host ``h`` (position ``p``
+in domain ``k``) lives on the host at position ``p`` of domain
+``(k + r) % D``, on the device with the same local position.
 The move is a permutation of the mesh's devices, so JAX carries the bytes.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) ->
     return {d.process_index: d.process_index // hosts_per_domain for d in devices}
   slices = {d.process_index: getattr(d, "slice_index", None) for d in devices}
   if None not in slices.values() and len(set(slices.values())) > 1:
-    return {h: int(s) for h, s in slices.items()}
+    return {h: int(s) for h, s in slices.items() if s is not None}
   return {d.process_index: d.process_index for d in devices}
 
 
@@ -82,9 +83,10 @@ def _replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
   if replicas == 0 or not isinstance(sharding, NamedSharding):
     return ()
   num_domains = len(set(domains.values()))
-  if num_domains < 2 or len({domains[d.process_index] for d in sharding.device_set}) < 2:
+  device_set: set[jax.Device] = sharding.device_set
+  if num_domains < 2 or len({domains[d.process_index] for d in device_set}) < 2:
     return ()
-  idx_map = sharding.devices_indices_map(shape)
+  idx_map: Mapping[jax.Device, Any] = sharding.devices_indices_map(shape)
   holders: dict[tuple, set[int]] = collections.defaultdict(set)
   for d, idx in idx_map.items():
     holders[normalize(idx, shape)].add(domains[d.process_index])
@@ -95,7 +97,7 @@ def _replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
   for r in range(1, min(replicas, num_domains - 1) + 1):
     ring = _device_ring(list(mesh.devices.flat), domains, r)
     # Device ring[d] must hold what d holds: place ring[d] where d was.
-    devices = np.vectorize(lambda d: ring[d], otypes=[object])(mesh.devices)
+    devices = np.vectorize(ring.__getitem__, otypes=[object])(mesh.devices)
     out.append(NamedSharding(Mesh(devices, mesh.axis_names,
                                   axis_types=mesh.axis_types), sharding.spec,
                              memory_kind=sharding.memory_kind))
@@ -106,7 +108,8 @@ def _replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
 def owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[tuple, int]:
   """global index -> lowest process index holding it in ``sharding``."""
   out: dict[tuple, int] = {}
-  for d, idx in sharding.devices_indices_map(shape).items():
+  idx_map: Mapping[jax.Device, Any] = sharding.devices_indices_map(shape)
+  for d, idx in idx_map.items():
     key = normalize(idx, shape)
     out[key] = min(out.get(key, d.process_index), d.process_index)
   return out
@@ -158,7 +161,7 @@ def _to_bytes(x: jax.Array) -> jax.Array:
 # per-leaf work) does not depend on the device pairs, so after an in-place
 # heal's new device order it comes from the persistent compilation cache
 # (:mod:`._cache_keys`); only the one-op permute compiles again. As one
-# program with the unpacking it compiled for ~3 s a process after every heal.
+# program with the unpacking, the whole of it compiled again after every heal.
 @functools.lru_cache(maxsize=4096)  # one per batch layout: a large state has many batches
 def _pack_fn(mesh: Mesh, specs: tuple[P, ...] | None = None) -> Any:
   """Each device's shards of the arguments, as bytes, one after another, as
@@ -176,7 +179,7 @@ def _pack_fn(mesh: Mesh, specs: tuple[P, ...] | None = None) -> Any:
 def _move_fn(mesh: Mesh, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
   """``perms[i]`` applied to buffer ``i``: one message per device pair."""
   def body(*bufs: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(jax.lax.ppermute(b, _AXIS, p) for b, p in zip(bufs, perms))
+    return tuple(jax.lax.ppermute(b, _AXIS, p) for b, p in zip(bufs, perms, strict=True))
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
                                check_vma=False))
 
@@ -186,8 +189,8 @@ def _packed(mesh: Mesh, arrays: Sequence[jax.Array]) -> jax.Array:
   device memory that share a mesh whose devices are ``mesh``'s, in its order
   (a state on its trainer's mesh), are packed where they are, in one
   dispatch; others (and staged ``pinned_host`` copies) are
-  first relabeled onto ``mesh`` one by one (one JAX call per array: ~40 us,
-  the bulk of a save's cost for a state of a hundred small leaves)."""
+  first relabeled onto ``mesh`` one by one (one JAX call per array: the
+  bulk of a save's cost for a state of a hundred small leaves)."""
   rows = _rows(mesh)
   own = arrays[0].sharding.mesh if isinstance(arrays[0].sharding, NamedSharding) else None
   if (isinstance(own, Mesh) and all(isinstance(a.sharding, NamedSharding)
@@ -195,8 +198,9 @@ def _packed(mesh: Mesh, arrays: Sequence[jax.Array]) -> jax.Array:
                                     and a.sharding.memory_kind in (None, "device")
                                     for a in arrays)
       and own.devices.size == mesh.devices.size
-      and all(a is b for a, b in zip(own.devices.flat, mesh.devices.flat))):
-    buf = _pack_fn(own, tuple(a.sharding.spec for a in arrays))(*arrays)
+      and all(a is b for a, b in zip(own.devices.flat, mesh.devices.flat, strict=True))):
+    specs = tuple(cast(NamedSharding, a.sharding).spec for a in arrays)  # checked above
+    buf = _pack_fn(own, specs)(*arrays)
     return jax.make_array_from_single_device_arrays(
         buf.shape, rows, [s.data for s in buf.addressable_shards])
   stacked = []
@@ -224,7 +228,8 @@ def _perm_key(src: Mesh, dst: Mesh, order: tuple[jax.Device, ...]) -> tuple[tupl
   """The permutation that moves each device of ``src`` to the device at the
   same place in ``dst``, as (from, to) positions in ``order``."""
   pos = {d: i for i, d in enumerate(order)}
-  return tuple(sorted((pos[a], pos[b]) for a, b in zip(src.devices.flat, dst.devices.flat)))
+  return tuple(sorted((pos[a], pos[b])
+                      for a, b in zip(src.devices.flat, dst.devices.flat, strict=True)))
 
 
 def ring_permute(arrays: Sequence[jax.Array], targets: Sequence[NamedSharding]
@@ -241,12 +246,13 @@ def ring_permute(arrays: Sequence[jax.Array], targets: Sequence[NamedSharding]
   mesh = _device_mesh()
   flat = tuple(mesh.devices.flat)
   groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
-  for i, (a, t) in enumerate(zip(arrays, targets)):
-    groups.setdefault(_perm_key(a.sharding.mesh, t.mesh, flat), []).append(i)
+  for i, (a, t) in enumerate(zip(arrays, targets, strict=True)):
+    mesh_of = cast(NamedSharding, a.sharding).mesh  # ring_permutable arrays only
+    groups.setdefault(_perm_key(mesh_of, t.mesh, flat), []).append(i)
   order = sorted(groups)
   packed = [_packed(mesh, [arrays[i] for i in groups[p]]) for p in order]
   out = []
-  for p, buf in zip(order, _move_fn(mesh, tuple(order))(*packed)):
+  for p, buf in zip(order, _move_fn(mesh, tuple(order))(*packed), strict=True):
     which = groups[p]
     offsets = np.cumsum([0] + [shard_nbytes(arrays[i]) for i in which[:-1]]).tolist()
     out.append((buf, which, offsets))
@@ -301,12 +307,13 @@ def _holder_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
   """:func:`holder_layout`, ``device_ids`` in position order; or the first
   device of no domain, as text."""
   where = {device.id: d for device, d in domain_of}
-  indices = {device.id: idx for device, idx in
-             sharding.addressable_devices_indices_map(shape).items()}
+  idx_map: Mapping[jax.Device, Any] = sharding.addressable_devices_indices_map(shape)
+  indices = {device.id: idx for device, idx in idx_map.items()}
   out: dict[Index, dict[int, int]] = {}
   for at, device_id in enumerate(device_ids):
     d = where.get(device_id)
     if d is None:
-      return next(str(x) for x in sharding.device_set if x.id == device_id)
+      device_set: set[jax.Device] = sharding.device_set
+      return next(str(x) for x in device_set if x.id == device_id)
     out.setdefault(normalize(indices[device_id], shape), {}).setdefault(d, at)
   return tuple((index, tuple(held.items())) for index, held in out.items())

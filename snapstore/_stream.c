@@ -7,10 +7,10 @@
  * bytes written, whatever another process does to src meanwhile. The stores
  * are non-temporal (streaming): they write whole lines past the cache, where
  * an ordinary store first reads the line (glibc's memcpy streams only copies
- * above its threshold, 192 MiB on this project's VMs). So a checked copy
- * reads memory once and writes it once. Measured on a 2-core AMD EPYC VM,
- * 256 MiB, one thread: memcpy 16-18 ms; numpy's copy then crc32c in
- * cache-sized parts 43-45 ms; this copy 19 ms (14.4 ms on two threads).
+ * above its non-temporal threshold, typically far above a piece's size). So a checked copy
+ * reads memory once and writes it once: about memcpy's time, where numpy's
+ * copy followed by a crc32c of each cache-sized part reads and writes each
+ * line more (`python -m benchmarks.capture` compares them with memcpy).
  *
  * The crc32c runs as three independent streams over the three thirds of a
  * buffer (the crc32 instruction has a latency of three cycles and a
@@ -159,10 +159,9 @@ THREE(three_1, COMMA char *d0, STORE_1)
  * time; then each bounce part is streamed to every destination. Streaming
  * stores wait long in the store queue, and a load whose address matches a
  * queued store's in its low 12 bits waits on it (4K aliasing): with two
- * destinations streamed straight from src, a source 64 bytes past a page
- * offset of the destinations took 1.7 s for 256 MiB against 36 ms
- * (measured on a 2-core AMD EPYC VM; JAX's buffers sit at any 64-byte
- * offset). The bounce is read from L1, at an offset chosen away from the
+ * destinations streamed straight from src, a source just past a page offset
+ * of the destinations ran tens of times slower (JAX's buffers sit at any
+ * 64-byte offset). The bounce is read from L1, at an offset chosen away from the
  * destinations'. Internal state in and out: returns the crc32c continued. */
 #define BOUNCE 2048
 TARGET static void stream_out(char *dst, const char *from, size_t m) {

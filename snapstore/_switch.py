@@ -66,9 +66,10 @@ def collections_paused(pause: bool = True) -> Iterator[None]:
   memoryview and a managed buffer the collector tracks, and they live until
   the drain has copied them: thousands of them at many leaves. Collections
   during that time promote them to the oldest generation, and full
-  collections (~100 ms in a JAX process, on whichever thread allocates,
-  often the training loop's) follow every few saves: 7 in 40 saves of a
-  500-leaf state against 1 with this pause (a scratch script). Memory is
+  collections (slow in a JAX process, which holds many objects; run on
+  whichever thread allocates, often the training loop's) follow every few
+  saves (``python -m benchmarks.capture`` counts them:
+  ``gc_full_collections``). Memory is
   still freed by reference counts meanwhile; cycles wait for the end of the
   block. Nested and concurrent blocks share one pause; the collector is
   turned back on after the last, if it was on before the first and is

@@ -19,7 +19,7 @@ from typing import Any
 
 def _demo(args: argparse.Namespace) -> int:
   try:
-    from .demo.cli import run  # noqa: PLC0415
+    from .demo.cli import run
   except ImportError as e:
     print(f"snapstore demo needs the demo extra ({e.name or e} is missing): "
           "pip install 'snapstore[demo]' (from a checkout: pip install -e '.[demo]')",
@@ -29,7 +29,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-  from ._inspect import inspect_store  # noqa: PLC0415
+  from ._inspect import inspect_store
   try:
     report = inspect_store(args.store, run_id=args.run_id, verify=args.verify)
   except OSError as e:
@@ -40,7 +40,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-  from .plan import from_size  # noqa: PLC0415
+  from .plan import from_size
   state = int(args.params * args.bytes_per_param)
   try:
     plans = from_size(state, hosts=args.hosts, hosts_per_domain=args.hosts_per_domain,
@@ -80,7 +80,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _parse_kill(text: str) -> Any:
   """``HOST@STEP[:PHASE][+lose][/INCARNATION]`` -> Kill."""
-  from .launch import Kill  # noqa: PLC0415
+  from .launch import Kill
   m = re.fullmatch(r"(\d+)@(-?\d+)(?::(\w+))?(\+lose)?(?:/(\d+))?", text)
   if not m:
     raise argparse.ArgumentTypeError(
@@ -92,16 +92,16 @@ def _parse_kill(text: str) -> Any:
     raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
   """A plain-text table (the core CLI has no dependency beyond the engine's)."""
   widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-  line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))  # noqa: E731
+  line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
   return "\n".join([title, line(header), line(["-" * w for w in widths]),
                     *[line(r) for r in rows]])
 
 
 def _launch(args: argparse.Namespace) -> int:
-  from .launch import launch  # noqa: PLC0415
+  from .launch import launch
   cmd = list(args.command)
   if cmd and cmd[0] == "--":
     cmd = cmd[1:]
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   d.add_argument("--total-steps", type=int, default=62)
   d.add_argument("--step-s", type=float, default=0.3,
                  help="pad each step to this long (a sleep standing for accelerator "
-                      "compute; the toy model's own step is ~0.1 s)")
+                      "compute; the toy model's own step is shorter)")
   d.add_argument("--replica-interval", type=int, default=2,
                  help="cross-domain replicas travel with every this-many-th snapshot "
                       "(1: every one; the killed host's store is wiped, so its rewind "

@@ -150,9 +150,10 @@ def global_digest(state: Any, replicated: Any) -> str:
   gathered to every process by one jitted identity onto ``replicated`` (a
   fully replicated sharding of the state's mesh). Collective. Typed PRNG
   keys count by their key data."""
-  import hashlib  # noqa: PLC0415
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import hashlib
+
+  import jax
+  import numpy as np
   leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
             else x for x in jax.tree.leaves(state)]
   h = hashlib.sha256()
@@ -165,8 +166,8 @@ def global_digest(state: Any, replicated: Any) -> str:
 def _gather_all(replicated: Any) -> Any:
   """The jitted identity onto ``replicated``: one jit object per sharding, so
   a digest after every step traces and compiles it once (a new lambda each
-  call took ~0.85 s a digest on 4 processes)."""
-  import jax  # noqa: PLC0415
+  call would trace and compile it at every digest)."""
+  import jax
   return jax.jit(lambda xs: xs, out_shardings=replicated)
 
 
@@ -174,14 +175,14 @@ def init_from_env() -> tuple[int, int, int]:
   """In a process started by ``launch``: configures JAX for CPU (gloo, the
   given devices per host) and joins the job. Returns (host, hosts,
   incarnation). Call before any other JAX use."""
-  import jax  # noqa: PLC0415
+  import jax
   env = os.environ
   host, num_hosts = int(env["SNAPSTORE_HOST"]), int(env["SNAPSTORE_NUM_HOSTS"])
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", int(env["SNAPSTORE_DEVICES_PER_HOST"]))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if in_place_from_env():
-    from . import recovery  # noqa: PLC0415
+    from . import recovery
     recovery.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
                         bind_address=env.get("SNAPSTORE_COORDINATOR_BIND"))
   else:
@@ -255,7 +256,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     armed = {k.host: k for k in pending if k.phase is not None}
     service, extra_env = None, {}
     if in_place:
-      from . import recovery  # noqa: PLC0415  (imports jax: only when asked)
+      from . import recovery  # imports jax: only when asked
       inc.fallback = recovery.unsupported()
       if inc.fallback is None:
         extra_env = {IN_PLACE_ENV: "1"}

@@ -60,14 +60,15 @@ class SnapshotOptions:
       one domain of a group is recoverable for ``1 + 1/k`` of the state in RAM
       instead of ``2x`` (multi-host; ``snapstore plan`` shows both).
     parity_k: with ``redundancy="parity"``: the data domains per parity block.
-    replica_interval: the replicas (or parity) travel with every this-many-th snapshot
-      (1: every one): the snapshot of step ``s`` carries them when
-      ``(s // interval) % replica_interval == 0`` (``interval="auto"``: when
-      ``s % replica_interval == 0``), the same on every process (a
-      replacement healed in place too; :meth:`carries_replicas`). In between, a store keeps only its own pieces, so losing
-      a domain rewinds to the newest snapshot whose replicas travelled (the
-      restore picks it and reports the rewind). For jobs where the transfer
-      costs more of a step than it should.
+    replica_interval: the replicas (or parity) travel with every
+      this-many-th snapshot (1: every one): the snapshot of step ``s``
+      carries them when ``(s // interval) % replica_interval == 0``
+      (``interval="auto"``: when ``s % replica_interval == 0``), the same on
+      every process (a replacement healed in place too;
+      :meth:`carries_replicas`). In between, a store keeps only its own
+      pieces, so losing a domain rewinds to the newest snapshot whose
+      replicas travelled (the restore picks it and reports the rewind). For
+      jobs where the transfer costs more of a step than it should.
     hosts_per_domain: hosts that fail together, where devices carry no
       ``slice_index`` (``None``: one domain per host).
     store: where snapshots live (:class:`StoreKind`); ``AUTO`` picks the
@@ -87,12 +88,13 @@ class SnapshotOptions:
       is captured and drained, and while a restore reads one
       (``_switch.collections_paused``): the thousands of short-lived views a
       save of many leaves makes would otherwise bring full collections every
-      few saves, and a restore's objects one every few restores (~130 ms
-      each, in a JAX process). ``False``: left alone.
+      few saves, and a restore's objects one every few restores (slow in a
+      JAX process, which holds many objects). ``False``: left alone.
     prefault_restore: once the store holds a snapshot (at start, or after
       the first one commits), a background thread faults in the host memory
-      a restore of it copies into, so a recovery does not (256 MB here: a
-      first restore paid 0.1-0.7 s of page faults). That memory is then
+      a restore of it copies into, so a recovery does not pay its page
+      faults (``python -m benchmarks.capture`` reports the first restore in
+      a process: ``restore_first_s``). That memory is then
       handed to the kernel as free-when-needed (``MADV_FREE``): under
       memory pressure it takes the pages back and a restore faults them in
       again. ``False``: memory is taken when a restore needs it.
@@ -125,7 +127,8 @@ class SnapshotOptions:
 
   def __post_init__(self):
     if self.interval == "auto":
-      if type(self.host_mtbf_s) not in (int, float) or not self.host_mtbf_s > 0:
+      mtbf = self.host_mtbf_s
+      if type(mtbf) not in (int, float) or mtbf is None or not mtbf > 0:
         raise ValueError("interval='auto' needs host_mtbf_s: one host's mean time "
                          f"between failures in seconds, got {self.host_mtbf_s!r}")
     else:

@@ -103,9 +103,9 @@ class MembersMissing(RuntimeError):
 def unsupported() -> str | None:
   """Why in-place recovery cannot run with this JAX, or None if it can."""
   try:
-    from jax._src import distributed  # noqa: PLC0415
-    from jax._src.lib import _jax  # noqa: PLC0415
-    from jax.experimental.multihost_utils import live_devices  # noqa: PLC0415
+    from jax._src import distributed
+    from jax._src.lib import _jax
+    from jax.experimental.multihost_utils import live_devices
   except ImportError as e:
     return f"jax {jax.__version__} lacks what in-place recovery needs ({e})"
   version = tuple(int(p) for p in jax.__version__.split(".")[:2])
@@ -122,7 +122,7 @@ def start_service(bind_address: str, num_processes: int, *,
                   heartbeat_timeout_s: int = 3) -> Any:
   """The JAX coordination service, recoverable, hosted by the caller (the
   supervisor). Keep the returned object alive; ``.shutdown()`` ends it."""
-  from jax._src.lib import _jax  # noqa: PLC0415
+  from jax._src.lib import _jax
   return _jax.get_distributed_runtime_service(
       bind_address, num_processes, heartbeat_timeout=heartbeat_timeout_s,
       shutdown_timeout=10, recoverable=True)
@@ -130,6 +130,8 @@ def start_service(bind_address: str, num_processes: int, *,
 
 def set_flags(*, collective_timeout_s: int = 30) -> None:
   """XLA flags for recoverable collectives; before the backend starts."""
+  flags: tuple[str, ...]
+  env: dict[str, str]
   if jax.config.jax_platforms and "cuda" in jax.config.jax_platforms:
     flags, env = GPU_FLAGS, GPU_ENV
   elif jax.config.jax_platforms == "cpu":
@@ -184,8 +186,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
                                coordinator_bind_address=bind_address)
     return
-  from jax._src import distributed  # noqa: PLC0415
-  from jax._src.lib import _jax  # noqa: PLC0415
+  from jax._src import distributed
+  from jax._src.lib import _jax
   state = distributed.global_state
   if state.client is not None:
     raise RuntimeError("jax.distributed is already initialized")
@@ -219,8 +221,8 @@ def _orbax_barriers_in_the_service() -> None:
   communicator (see :mod:`._group`). An absl flag; set without parsing
   the command line."""
   try:
-    from absl import flags  # noqa: PLC0415
-    from orbax.checkpoint._src.multihost import multihost  # noqa: PLC0415,F401
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost  # noqa: F401
   except ImportError:
     return
   name = "experimental_orbax_use_distributed_barrier"
@@ -265,12 +267,12 @@ class InPlace:
 
   def __init__(self, *, max_failures: int = 3, wait_timeout_s: float = 120.0,
                poll_s: float = 0.05, abort_after_s: float | None = DEFAULT_ABORT_AFTER_S):
-    from jax._src import distributed  # noqa: PLC0415
-    from jax.experimental.multihost_utils import (  # noqa: PLC0415
-        ProcessFailureError, live_devices)
-    self._client = distributed.global_state.client
-    if self._client is None:
+    from jax._src import distributed
+    from jax.experimental.multihost_utils import ProcessFailureError, live_devices
+    client = distributed.global_state.client
+    if client is None:
       raise RuntimeError("join the job first (snapstore.recovery.initialize)")
+    self._client = client
     self._live_devices = live_devices
     self.FAILURES: tuple[type[BaseException], ...] = (
         ProcessFailureError, MembersMissing, PeerFailed, jax.errors.JaxRuntimeError)
@@ -312,7 +314,9 @@ class InPlace:
     :class:`PeerFailed` if the body raised on another process: a failure
     anywhere fails the step everywhere, so every process restores together."""
     with self._live_devices(self._all) as devices:
-      incarnations = dict(self._live_devices.devices)
+      live = self._live_devices.devices
+      assert live is not None  # set on entering the block
+      incarnations = dict(live)
       key = tuple(sorted((d.id, int(incarnations[d])) for d in devices))
       if key != self._entered:  # blocks are counted per membership, alike everywhere
         self._entered, self._block = key, 0
@@ -373,11 +377,12 @@ class InPlace:
     order = _group.devices()
     if docs:  # a draw every process makes alike, from the same orders
       stale = set().union(*(_group.cliques(d["order"]) for d in docs.values()))
-      order = _group.rekeyed(incarnations, stale, {d.id for d in self._all})
-      if order is None:
+      fresh_order = _group.rekeyed(incarnations, stale, {d.id for d in self._all})
+      if fresh_order is None:
         raise RestartRequired(f"no device order is left whose every group is new after "
                               f"{len(docs)} memberships; a full restart clears the old "
                               "communicators")
+      order = fresh_order
     self._order_name = hashlib.sha256(repr((key, len(same))).encode()).hexdigest()
     with contextlib.suppress(Exception):  # ALREADY_EXISTS: another process wrote it
       self._client.key_value_set(f"{_ORDERS}/{self._order_name}", json.dumps(
@@ -390,7 +395,7 @@ class InPlace:
     barrier, so without this the process hosting the service (process 0,
     unless the supervisor hosts it) could exit while others still talk to it,
     and they would abort."""
-    from jax._src import distributed  # noqa: PLC0415
+    from jax._src import distributed
     if self.watchdog is not None:
       self.watchdog.stop()
     self._client.wait_at_barrier("snapstore/done", int(timeout_s * 1000))
@@ -436,7 +441,7 @@ class InPlace:
 
 
 def _service_ports() -> set[int]:
-  from jax._src import distributed  # noqa: PLC0415
+  from jax._src import distributed
   port = (distributed.global_state.coordinator_address or "").rsplit(":", 1)[-1]
   return {int(port)} if port.isdigit() else set()
 

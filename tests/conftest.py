@@ -9,13 +9,12 @@ from pathlib import Path
 # test starts (they inherit the environment): the test states are tiny, so
 # compiling dominates. JAX's persistent cache does not help the jobs'
 # processes: only process 0 writes it, and each process's cache key differs.
-# A 4-process job's CPU time fell by a quarter (scratch, `time` of one job).
 # Every result a test compares is computed under the same flags.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
-import jax  # noqa: E402  (after XLA_FLAGS: read when the backend starts)
-import pytest  # noqa: E402
+import jax  # after XLA_FLAGS: read when the backend starts
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")

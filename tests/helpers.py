@@ -12,7 +12,8 @@ def host_copy(tree: Any) -> Any:
   """A numpy copy of every array leaf (keys as key_data); scalars as they are."""
   def one(x):
     if isinstance(x, jax.Array):
-      return np.array(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, copy=True)
+      key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+      return np.array(jax.random.key_data(x) if key else x, copy=True)
     if isinstance(x, (np.ndarray, np.generic)):
       return np.array(x, copy=True)
     return x
@@ -24,7 +25,7 @@ def assert_bitwise_equal(expected: Any, actual: Any) -> None:
   e_leaves, e_def = jax.tree_util.tree_flatten_with_path(host_copy(expected))
   a_leaves, a_def = jax.tree_util.tree_flatten_with_path(host_copy(actual))
   assert e_def == a_def, f"structure differs:\n{e_def}\n{a_def}"
-  for (path, e), (_, a) in zip(e_leaves, a_leaves):
+  for (path, e), (_, a) in zip(e_leaves, a_leaves, strict=True):
     name = jax.tree_util.keystr(path)
     if isinstance(e, np.ndarray):
       assert isinstance(a, np.ndarray), name

@@ -19,8 +19,15 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from snapstore import (BudgetExceededError, BusyPolicy, SnapshotManager, SnapshotOptions,
-                       Source, StepNotFoundError, StoreKind)
+from snapstore import (
+  BudgetExceededError,
+  BusyPolicy,
+  SnapshotManager,
+  SnapshotOptions,
+  Source,
+  StepNotFoundError,
+  StoreKind,
+)
 from tests.helpers import assert_bitwise_equal, host_copy
 
 
@@ -269,7 +276,7 @@ def test_a_flipped_byte_in_the_middle_of_a_run_is_caught(kind, store_dir, monkey
   (one copy, then each piece's crc32c): a flipped byte in one piece in the
   middle of a run rejects that piece alone; the others of its run are still
   taken from it, and the restore is bitwise."""
-  from snapstore import _assemble  # noqa: PLC0415
+  from snapstore import _assemble
 
   def state(step):
     out = awkward_state(jax.devices(), step)

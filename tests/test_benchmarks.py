@@ -6,8 +6,20 @@ import math
 
 import pytest
 
-from benchmarks import (capture, checksum, demo_overhead, goodput, multihost, overhead, parity,
-                        restore, rewind, soak, vs_orbax, vs_orbax_snapshotter)
+from benchmarks import (
+  capture,
+  checksum,
+  demo_overhead,
+  goodput,
+  multihost,
+  overhead,
+  parity,
+  restore,
+  rewind,
+  soak,
+  vs_orbax,
+  vs_orbax_snapshotter,
+)
 
 pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 

@@ -177,8 +177,8 @@ def test_a_cpu_topology_without_its_devices_keeps_the_rest():
   kept = _cache_keys.without_devices(topology)
   assert len(kept) < len(topology)  # 8 device entries gone
   assert _cache_keys.without_devices(kept) == kept
-  machine = [p for n, _, p in _cache_keys._fields(topology) if n == 9][0]
-  inner = [p for n, _, p in _cache_keys._fields(machine) if n == 2][0]
+  machine = next(p for n, _, p in _cache_keys._fields(topology) if n == 9)
+  inner = next(p for n, _, p in _cache_keys._fields(machine) if n == 2)
   fields = list(_cache_keys._fields(inner))
   assert all(raw in kept for n, raw, _ in fields if n != 1)  # the target machine stays
   assert len(topology) - len(kept) >= sum(len(raw) for n, raw, _ in fields if n == 1) > 0
@@ -190,14 +190,14 @@ def test_a_cpu_topology_without_its_devices_keeps_the_rest():
 
 @pytest.mark.parametrize("value", ["0", "-3", "ten", "2.5"])
 def test_a_bad_collective_timeout_in_the_environment_is_refused_naming_it(monkeypatch, value):
-  from snapstore import recovery  # noqa: PLC0415
+  from snapstore import recovery
   monkeypatch.setenv(recovery.COLLECTIVE_TIMEOUT_ENV, value)
   with pytest.raises(ValueError, match=recovery.COLLECTIVE_TIMEOUT_ENV):
     recovery._timeout_from_env()
 
 
 def test_the_collective_timeout_comes_from_the_environment_else_30(monkeypatch):
-  from snapstore import recovery  # noqa: PLC0415
+  from snapstore import recovery
   monkeypatch.delenv(recovery.COLLECTIVE_TIMEOUT_ENV, raising=False)
   assert recovery._timeout_from_env() == 30
   monkeypatch.setenv(recovery.COLLECTIVE_TIMEOUT_ENV, "7")

@@ -346,7 +346,6 @@ def test_hostile_manifests_are_refused_cheaply(store_dir):
   envelope claiming 8M entries are refused without quadratic time or memory."""
   import dataclasses
 
-
   from snapstore._manifest import PieceRecord
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     save_steps(mgr, [1])

@@ -28,7 +28,7 @@ def test_each_distinct_shard_once_with_its_own_bytes(mesh, spec):
     host = np.random.default_rng(seed).standard_normal((8, 12)).astype(np.float32)
     arr = jax.device_put(host, sharding)
     got = addressable_pieces(3, arr)
-    want = {tuple((s.start or 0, s.stop or n) for s, n in zip(idx, host.shape))
+    want = {tuple((s.start or 0, s.stop or n) for s, n in zip(idx, host.shape, strict=True))
             for idx in sharding.devices_indices_map(host.shape).values()}
     assert {p.index for p, _ in got} == want
     assert len(got) == len(want)
@@ -68,7 +68,7 @@ def test_a_structure_refused_once_is_refused_every_time():
 
 
 def test_a_shard_is_checked_against_its_device_not_trusted_by_position(mesh, monkeypatch):
-  from snapstore import _layout  # noqa: PLC0415
+  from snapstore import _layout
   sharding = NamedSharding(mesh, P("x", "y"))
   host = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
   arr = jax.device_put(host, sharding)
@@ -85,7 +85,7 @@ def test_a_shard_is_checked_against_its_device_not_trusted_by_position(mesh, mon
 def test_shards_of_a_mesh_in_any_device_order_hold_their_own_bytes(shard_list, monkeypatch):
   """Devices in a shuffled order: each piece's data is its own region,
   read from JAX's list of single-device arrays or shard by shard."""
-  from snapstore import _layout  # noqa: PLC0415
+  from snapstore import _layout
   if not shard_list:
     monkeypatch.setattr(_layout, "_shards", lambda arr: None)
   order = np.random.default_rng(7).permutation(8)

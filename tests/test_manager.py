@@ -100,7 +100,7 @@ def test_restores_share_no_memory_with_a_state_still_alive(trainer, store_dir):
     first = mgr.restore(trainer.abstract_state(), step=1).state
     second = mgr.restore(trainer.abstract_state(), step=2).state
     third = mgr.restore(trainer.abstract_state(), step=3).state
-    for s, got in zip((1, 2, 3), (first, second, third)):
+    for s, got in zip((1, 2, 3), (first, second, third), strict=True):
       assert_bitwise_equal(states[s], got)
     del first, second, third, got
     gc.collect()  # jaxlib's deferred releases of the adopted buffers
@@ -166,6 +166,7 @@ def test_a_prefault_runs_in_chunks_through_calls_that_release_the_gil(monkeypatc
   GIL; ``mmap.madvise`` does not), and a kernel without the advice gets a
   write a page instead."""
   import ctypes
+
   from snapstore import _arena
   if sys.platform == "linux":
     assert not _arena._MADVISE._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # a CDLL call
@@ -199,6 +200,7 @@ def test_a_prefault_leaves_every_page_of_the_arena_resident(kernel, monkeypatch)
   and on a kernel without it (the advice fails: a write a page). Fresh
   memory is not (the control)."""
   import mmap
+
   from snapstore import _arena
   if kernel == "old":
     monkeypatch.setattr(_arena, "_MADVISE", lambda at, n, advice: -1)  # EINVAL

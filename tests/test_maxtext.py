@@ -144,6 +144,7 @@ def test_a_bad_snapshot_value_in_the_yml_is_an_error_naming_it(tmp_path):
 
 def test_an_unsupported_maxtext_version_is_refused_by_name(monkeypatch):
   from maxtext import version
+
   from snapstore.integrations.maxtext.train import UnsupportedMaxTextError, check_maxtext
   assert check_maxtext() == version.__version__
   monkeypatch.setattr(version, "__version__", "0.1.0")

@@ -12,14 +12,20 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from snapstore import SnapshotOptions, errors
-from snapstore import _parity, _planner
+from snapstore import SnapshotOptions, _parity, _planner, errors
 from snapstore._checksum import ChecksumKind
 from snapstore._index import to_slices
 from snapstore._layout import flatten, tree_digest
+from snapstore._manifest import (
+  PARITY_LEAF,
+  Manifest,
+  ParityRecord,
+  PieceRecord,
+  decode,
+  encode,
+  member_length,
+)
 from tests.helpers import assert_bitwise_equal
-from snapstore._manifest import (PARITY_LEAF, Manifest, ParityRecord, PieceRecord, decode,
-                                 encode, member_length)
 
 
 def _stripes(k):
@@ -66,7 +72,7 @@ def test_any_one_member_is_rebuilt_bitwise_from_parity_and_the_others(k):
     layout = _parity.Layout(tuple(range(st.n)), tuple(layouts[s * st.n + m] for m in range(st.n)),
                             length)
     for lost in range(st.n):
-      buf = _parity.contribution(layout, lost, itemsize, piece, lambda j: blocks[(s, j)])
+      buf = _parity.contribution(layout, lost, itemsize, piece, lambda j, s=s: blocks[(s, j)])
       got = _parity.split(layout, lost, buf, itemsize)
       assert [(lf, idx) for lf, idx, _ in got] == list(layout.pieces[lost])
       for leaf, idx, raw in got:
@@ -75,7 +81,7 @@ def test_any_one_member_is_rebuilt_bitwise_from_parity_and_the_others(k):
       # blocks' checksums are what stands between it and a restore.
       j = (lost + 1) % st.n
       bad = {**{jj: blocks[(s, jj)] for jj in range(st.n)}, j: blocks[(s, j)] ^ np.uint32(1)}
-      buf = _parity.contribution(layout, lost, itemsize, piece, lambda jj: bad[jj])
+      buf = _parity.contribution(layout, lost, itemsize, piece, bad.__getitem__)
       assert any(raw.tobytes() != piece(leaf, idx).tobytes()
                  for leaf, idx, raw in _parity.split(layout, lost, buf, itemsize))
 
@@ -127,13 +133,13 @@ def test_a_parity_record_survives_the_manifest_round_trip():
     lambda r: dataclasses.replace(r, members=(9, 1, 2, 3)),       # block 0 not its holder's
     lambda r: dataclasses.replace(r, length=r.length + 4),        # not k blocks
     lambda r: dataclasses.replace(r, layout=r.layout[:3]),        # a member without layout
-    lambda r: dataclasses.replace(r, layout=((((0, ((0, 99), (0, 2))),)),) + r.layout[1:]),
-    lambda r: dataclasses.replace(r, layout=((((3, ((0, 4), (0, 2))),)),) + r.layout[1:]),
+    lambda r: dataclasses.replace(r, layout=(((0, ((0, 99), (0, 2))),), *r.layout[1:])),
+    lambda r: dataclasses.replace(r, layout=(((3, ((0, 4), (0, 2))),), *r.layout[1:])),
     lambda r: dataclasses.replace(r, piece=r.piece._replace(leaf=0)),
     lambda r: dataclasses.replace(r, length=1 << 40, piece=r.piece._replace(
         nbytes=(1 << 40) // 3)),                          # a length no member makes
     lambda r: dataclasses.replace(                                 # members of unequal sizes
-        r, layout=(r.layout[0] + (((0, ((12, 16), (0, 2)))),),) + r.layout[1:]),
+        r, layout=((*r.layout[0], (0, ((12, 16), (0, 2)))), *r.layout[1:])),
     lambda r: dataclasses.replace(
         r, piece=r.piece._replace(kind=ChecksumKind.DEVICE_SUM)),
 ])
@@ -177,6 +183,7 @@ def test_pinned_store_never_rebuilds_from_a_flipped_byte(store_dir):
   3's own piece (used by the rebuild, no other copy): step 1 is restored,
   slice 1's pieces rebuilt, bitwise."""
   import ctypes
+
   from snapstore import SnapshotManager, StoreKind
   from tests.test_backends import abstract, awkward_state, save_steps
   devs = jax.devices()
@@ -234,6 +241,7 @@ def test_leaves_in_host_memory_or_complex_keep_full_replicas_not_parity(store_di
   instead, and the user's pinned_host array is copied, never kept (retention
   frees what a store holds)."""
   import jax.numpy as jnp
+
   from snapstore import SnapshotManager, StoreKind
   devs = jax.devices()
   s2d = {k: devs[2 * k:2 * k + 2] for k in range(4)}
@@ -242,7 +250,8 @@ def test_leaves_in_host_memory_or_complex_keep_full_replicas_not_parity(store_di
   sh = NamedSharding(mesh, P("x"))
   state = {
       "w": jax.device_put(jnp.arange(64, dtype=jnp.float32), sh),
-      "off": jax.device_put(jnp.arange(64, dtype=jnp.float32) * 2, sh.with_memory_kind("pinned_host")),
+      "off": jax.device_put(jnp.arange(64, dtype=jnp.float32) * 2,
+                            sh.with_memory_kind("pinned_host")),
       "z": jax.device_put(jnp.arange(16, dtype=jnp.complex64) * 1j, sh),
   }
   assert _parity.evenly_sharded(st, state["w"])

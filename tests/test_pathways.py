@@ -145,7 +145,7 @@ def test_parity_rebuilds_a_lost_slice_from_the_other_three(slices, store_dir):
   """4 virtual slices of 2 devices, parity k=3: slice 1 is lost (its store
   with it); its shards of the leaf without data-parallel twins are rebuilt
   from the others' parity blocks and pieces, bitwise."""
-  s2d, lose, _ = slices
+  _, lose, _ = slices
   trainer, saved, meshes, final = run_elastic(
       store_dir, lose, ElasticOptions(snapshot_redundancy="parity", **FAST))
   (event,) = trainer.events
@@ -199,7 +199,7 @@ def test_replica_resize_continues_on_the_surviving_slice(slices, store_dir):
 def test_without_the_cross_slice_copy_the_handler_falls_back_to_orbax(
     slices, store_dir, tmp_path):
   _, lose, _ = slices
-  trainer, saved, meshes, final = run_elastic(
+  trainer, saved, _, final = run_elastic(
       store_dir, lose, ElasticOptions(snapshot_replicas=0, **FAST),
       persistent=str(tmp_path / "orbax"))
   (event,) = trainer.events

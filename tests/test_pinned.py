@@ -15,10 +15,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from snapstore import (BudgetExceededError, SnapshotManager, SnapshotOptions, Source,
-                       StoreKind, TreeMismatchError)
-from snapstore._checksum import (ChecksumKind, _sums, as_checksum, device_checksum,
-                                shard_checksums)
+from snapstore import (
+  BudgetExceededError,
+  SnapshotManager,
+  SnapshotOptions,
+  Source,
+  StoreKind,
+  TreeMismatchError,
+)
+from snapstore._checksum import ChecksumKind, _sums, as_checksum, device_checksum, shard_checksums
 from tests.helpers import assert_bitwise_equal, host_copy
 from tests.test_pathways import abstract, make_state
 
@@ -84,7 +89,8 @@ def test_per_shard_checksums_match_each_shard(s2d):
 def test_auto_picks_pinned_host_for_slices_and_host_files_otherwise(s2d, store_dir):
   with manager(s2d, store_dir=store_dir) as mgr:
     assert mgr.backend.kind is StoreKind.PINNED_HOST
-    assert mgr.backend.checksum is ChecksumKind.CRC32C  # CPU: the controller reads pinned buffers in place
+    # CPU: the controller reads pinned buffers in place
+    assert mgr.backend.checksum is ChecksumKind.CRC32C
   with SnapshotManager(SnapshotOptions(store_dir=store_dir)) as mgr:
     assert mgr.backend.kind is StoreKind.HOST_FILES
   with pytest.raises(ValueError, match="single controller"):

@@ -220,9 +220,9 @@ def test_alternating_snapshot_sizes_reuse_slots_and_a_real_shrink_does_not(store
   """Replicas with every other snapshot make sizes alternate: the store keeps
   one slot size (the larger) instead of remaking a slot file every save; a
   state that shrinks to under half gets slots of its own size."""
-  import os  # noqa: PLC0415
+  import os
 
-  from snapstore._backends.hostfiles.store import HostStore, host_dir  # noqa: PLC0415
+  from snapstore._backends.hostfiles.store import HostStore, host_dir
   store = HostStore(host_dir(store_dir, "r", 0), run_id="r", host=0, keep=2,
                     budget_bytes=None)
 

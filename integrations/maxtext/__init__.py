@@ -58,7 +58,7 @@ class MaxTextConfigError(ValueError):
 def split_snapshot_keys(args: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
   """(MaxText's ``key=value`` arguments, snapstore's ``snapshot_*`` ones with
   YAML-parsed values, as MaxText parses its own)."""
-  import yaml  # noqa: PLC0415  (MaxText's dependency)
+  import yaml  # MaxText's dependency
   rest, ours = [], {}
   for a in args:
     key, eq, value = a.partition("=")

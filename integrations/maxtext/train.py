@@ -61,7 +61,7 @@ def check_maxtext() -> str:
   """The installed MaxText's version; raises :class:`UnsupportedMaxTextError`
   (with what to do) if it is missing or not one of ``SUPPORTED_MAXTEXT``."""
   try:
-    from maxtext import version  # noqa: PLC0415
+    from maxtext import version
   except ImportError as e:
     raise UnsupportedMaxTextError(
         "MaxText is not installed (Python >= 3.12: pip install --no-deps -r "
@@ -80,7 +80,7 @@ def _yaml_without_snapshot_keys(path: str) -> tuple[str, dict[str, Any]]:
   """(a yml MaxText accepts, the ``snapshot_*`` keys of ``path``). A copy is
   written only if ``path`` has such keys; its ``base_config`` is made absolute
   so the copy resolves it as the original did."""
-  import yaml  # noqa: PLC0415  (MaxText's dependency)
+  import yaml  # MaxText's dependency
   if not Path(path).is_file():  # a key=value, or a path MaxText resolves itself
     return path, {}
   doc = yaml.safe_load(Path(path).read_text()) or {}
@@ -120,7 +120,7 @@ class _Engine:
     resolved (its yml chain, ``M_RUN_NAME``, ... not only the command line):
     a run never restores another run's snapshots."""
     if self.manager is None:
-      import snapstore  # noqa: PLC0415
+      import snapstore
       name = getattr(maxtext_config, "run_name", None)
       if name:
         self.options = dataclasses.replace(self.options, run_id=str(name))
@@ -130,8 +130,9 @@ class _Engine:
   # ----------------------------------------------------------- the wraps
   def load_state_if_possible(self, original: Callable[..., Any], *args: Any,
                              **kwargs: Any) -> Any:
-    import snapstore  # noqa: PLC0415
-    from maxtext.common import checkpointing  # noqa: PLC0415
+    from maxtext.common import checkpointing
+
+    import snapstore
     bound = inspect.signature(original).bind(*args, **kwargs)
     abstract = bound.arguments["abstract_unboxed_pre_state"]
     orbax = bound.arguments.get("checkpoint_manager")
@@ -179,7 +180,7 @@ class _Engine:
       self._write()
       return out
     if _faults.armed("step", int(step)):  # a test's seeded SIGKILL (snapstore launch):
-      import jax  # noqa: PLC0415        # after this step computed and the previous
+      import jax  # after this step computed and the previous
       jax.block_until_ready(state)      # snapshot committed, before this one
       if self.manager is not None:
         self.manager.wait_until_finished()
@@ -208,8 +209,9 @@ class _Engine:
     summary = dict(summary, started=t0, ended=time.time())
     self.report["restores"].append(summary)
     if self._report_dir and not reported:
-      import jax  # noqa: PLC0415
-      from snapstore.launch import incarnation_from_env, report_restore  # noqa: PLC0415
+      import jax
+
+      from snapstore.launch import incarnation_from_env, report_restore
       if jax.process_index() == 0:
         report_restore(summary, incarnation_from_env() or 0, replace_last=replaces_report)
     self._write()
@@ -219,9 +221,10 @@ class _Engine:
     byte gathered to every process by one jitted identity), by host 0."""
     if not self._report_dir:
       return
-    import jax  # noqa: PLC0415
-    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
-    from snapstore.launch import global_digest, incarnation_from_env, report_digest  # noqa: PLC0415
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from snapstore.launch import global_digest, incarnation_from_env, report_digest
     mesh = next(x.sharding.mesh for x in jax.tree.leaves(state)
                 if isinstance(getattr(x, "sharding", None), NamedSharding))
     value = global_digest(state, NamedSharding(mesh, PartitionSpec()))
@@ -232,8 +235,9 @@ class _Engine:
   def _write(self) -> None:
     if not self._report_dir:
       return
-    import jax  # noqa: PLC0415
-    from snapstore._manifest import write_atomic  # noqa: PLC0415
+    import jax
+
+    from snapstore._manifest import write_atomic
     inc = os.environ.get("SNAPSTORE_INCARNATION", "0")
     attempt = os.environ.get("SNAPSTORE_ATTEMPT", "0")
     name = f"maxtext-inc{inc}-host{jax.process_index()}" + (
@@ -267,17 +271,17 @@ def _grain_iterator(data_iterator: Any) -> Any:
 
 
 def _rows_sharding() -> Any:
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   mesh = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("process", "local"))
   return NamedSharding(mesh, PartitionSpec("process"))
 
 
 def _iterator_rows_abstract() -> Any:
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import jax
+  import numpy as np
   return jax.ShapeDtypeStruct((jax.process_count(), ITERATOR_ROW_BYTES), np.uint8,
                               sharding=_rows_sharding())
 
@@ -286,8 +290,8 @@ def _iterator_rows(data_iterator: Any) -> Any:
   """This process's iterator state as its row of the global array: kind
   (``B`` bytes, ``J`` JSON, ``N`` none: a host that loads no data), the
   process index (4 bytes), the length (4 bytes), the payload."""
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import jax
+  import numpy as np
   iterator = _grain_iterator(data_iterator)
   state = None if iterator is None else iterator.get_state()
   kind, payload = ((b"N", b"") if iterator is None else
@@ -307,8 +311,8 @@ def _iterator_rows(data_iterator: Any) -> Any:
 def _set_iterator_state(data_iterator: Any, rows: Any) -> None:
   """Sets this process's iterator to the state in its own row (checked: the
   row names the process that wrote it)."""
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import jax
+  import numpy as np
   row = np.asarray(rows.addressable_shards[0].data).reshape(-1).tobytes()
   kind = row[:1]
   writer, size = int.from_bytes(row[1:5], "little"), int.from_bytes(row[5:9], "little")
@@ -344,15 +348,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   rest, from_cli = split_snapshot_keys(argv[2:])
   engine = _Engine({**from_yml, **from_cli, **_run_keys(rest, yml)})
   if os.environ.get("SNAPSTORE_COORDINATOR"):  # under snapstore launch: join first
-    from snapstore.launch import init_from_env  # noqa: PLC0415
+    from snapstore.launch import init_from_env
     init_from_env()
-  from maxtext.common import checkpointing, metric_logger  # noqa: PLC0415
-  from maxtext.trainers.pre_train import train  # noqa: PLC0415
+  from maxtext.common import checkpointing, metric_logger
+  from maxtext.trainers.pre_train import train
   _wrap(checkpointing, "load_state_if_possible", engine.load_state_if_possible)
   _wrap(checkpointing, "maybe_save_checkpoint", engine.maybe_save_checkpoint)
   _wrap(metric_logger.MetricLogger, "write_metrics", engine.write_metrics)
-  from absl import flags  # noqa: PLC0415
-  from absl import logging as absl_logging  # noqa: PLC0415
+  from absl import (
+    flags,
+    logging as absl_logging,
+  )
   flags.FLAGS(argv[:1])  # MaxText reads absl flags (defaults) without app.run
   absl_logging.set_verbosity(absl_logging.INFO)  # MaxText's step log, as under app.run
   try:
@@ -371,7 +377,7 @@ def _run_keys(args: Sequence[str], yml: str) -> dict[str, Any]:
   for a in args:
     if a.startswith("run_name="):
       return {"run_name": a.partition("=")[2]}
-  import yaml  # noqa: PLC0415
+  import yaml
   if not Path(yml).is_file():
     return {}
   doc = yaml.safe_load(Path(yml).read_text()) or {}

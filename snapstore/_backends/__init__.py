@@ -10,17 +10,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent import futures
+from typing import Any
 
 import jax
 
 from ..options import SnapshotOptions, StoreKind
-from .base import Backend, Header, NO_PROGRESS
+from .base import NO_PROGRESS, Backend, Header
 from .hostfiles.backend import HostFilesBackend
 from .pinned.backend import PinnedHostBackend
 from .pinned.store import supports_pinned_host
 
-__all__ = ["Backend", "Header", "HostFilesBackend", "NO_PROGRESS", "PinnedHostBackend",
-           "choose", "resolve_kind"]
+__all__ = [
+  "NO_PROGRESS",
+  "Backend",
+  "Header",
+  "HostFilesBackend",
+  "PinnedHostBackend",
+  "choose",
+  "resolve_kind",
+]
 
 
 def resolve_kind(kind: StoreKind, slices: Mapping[int, Sequence[jax.Device]] | None
@@ -40,7 +48,7 @@ def resolve_kind(kind: StoreKind, slices: Mapping[int, Sequence[jax.Device]] | N
 
 def choose(options: SnapshotOptions, *, host: int, num_hosts: int,
            slices: Mapping[int, Sequence[jax.Device]] | None,
-           pool: futures.Executor) -> Backend:
+           pool: futures.Executor) -> Backend[Any]:
   """The backend for ``options.store`` (AUTO resolved), built once."""
   if slices is not None and num_hosts > 1:
     raise ValueError("slices= is for a single controller (one process); with "

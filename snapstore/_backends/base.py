@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .. import _planner
 from .._assemble import PieceSource
@@ -60,6 +60,11 @@ class Pending(Protocol):
   header: Header
 
 
+#: A backend's own kind of :class:`Pending`: what its ``capture`` returns is
+#: what its ``drain`` takes.
+PendingT = TypeVar("PendingT", bound=Pending)
+
+
 class Store(Protocol):
   """One store's manifests, as retention needs them."""
 
@@ -70,7 +75,7 @@ class Store(Protocol):
   def delete(self, manifest: Manifest, reason: str) -> None: ...
 
 
-class Backend(PieceSource, Protocol):
+class Backend(PieceSource, Protocol[PendingT]):
   """Where snapshots live. Not thread-safe: the manager calls ``capture``,
   ``manifests``, ``fetch`` and the domain calls from the training thread
   and ``drain`` from its one drain thread, never both at once."""
@@ -90,12 +95,12 @@ class Backend(PieceSource, Protocol):
   def write_progress(self, step: int, incarnation: int) -> None: ...
 
   def capture(self, header: Header, specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
-              replicas: int) -> Pending:
+              replicas: int) -> PendingT:
     """Takes the state out of reach of the next step, with ``replicas``
     cross-domain copies of pieces that have no twin there, and reserves room
     for it. Training thread; collective on a multi-controller job."""
 
-  def drain(self, pending: Pending) -> int:
+  def drain(self, pending: PendingT) -> int:
     """Copies, checksums and commits ``pending``, then applies retention.
     Returns the bytes stored. Drain thread."""
 

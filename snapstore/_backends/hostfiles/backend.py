@@ -20,13 +20,19 @@ from typing import Any
 import jax
 import numpy as np
 
+from ... import _group, _parity
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import (ChecksumKind, copy_crc_many, copy_verified, crc_matches, first_seed,
-                          piece_key)
+from ..._checksum import (
+  ChecksumKind,
+  copy_crc_many,
+  copy_verified,
+  crc_matches,
+  first_seed,
+  piece_key,
+)
 from ..._index import Index, shape_of
 from ..._layout import LeafSpec
 from ..._manifest import Manifest, piece_row, split_parity
-from ... import _group, _parity
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ...options import SnapshotOptions, StoreKind
@@ -59,7 +65,8 @@ class HostFilesBackend(DomainStores):
                pool: futures.Executor):
     self.options = options
     self._pool = pool
-    self.prefetch_pool = pool  # host copies: fetched in parallel (Assembler.prefetch)
+    # host copies: fetched in parallel (Assembler.prefetch)
+    self.prefetch_pool: futures.Executor | None = pool
     self.prefetch_workers = options.copy_threads
     self._host = host
     self._domain_of = ({d: k for k, devs in slices.items() for d in devs}
@@ -128,7 +135,8 @@ class HostFilesBackend(DomainStores):
       # the garbage collector tracks (see PieceTable).
       pieces, parity = split_parity(
           (piece_row(p.leaf, p.index, off, p.nbytes, c, owner, ChecksumKind.CRC32C)
-           for p, off, c, owner in zip(cap.pieces, offsets[store.host], crcs, cap.owners)),
+           for p, off, c, owner in zip(cap.pieces, offsets[store.host], crcs, cap.owners,
+                                       strict=True)),
           cap.parity)
       store.commit(Manifest(pieces=pieces,
                             created=time.time(), host=store.host, slot=slot,
@@ -220,7 +228,7 @@ class HostFilesBackend(DomainStores):
     crcs = copy_crc_many(span, out, rows)
     got: list[Any] = []
     leaf = None
-    for rec, ok, crc, at in zip(recs, usable, crcs, rows[::3]):
+    for rec, ok, crc, at in zip(recs, usable, crcs, rows[::3], strict=True):
       if not ok or crc != rec.checksum[0]:
         got.append(None)
         continue

@@ -21,19 +21,35 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 
 from ... import _faults, _group, _parity
-from ..._checksum import (CACHE_BYTES, chunk_seeds, copy_crc, copy_crc_gather, first_seed,
-                          piece_key)
+from ..._checksum import CACHE_BYTES, chunk_seeds, copy_crc, copy_crc_gather, first_seed, piece_key
 from ..._index import Index, align, nbytes as index_nbytes, normalize
-from ..._layout import (LeafKind, LeafSpec, Piece, addressable_data, addressable_pieces,
-                         batches, filled, piece_of)
-from ..._placement import (HolderLayout, holder_layout, owners, replica_shardings, ring_keepers,
-                           ring_permutable, ring_permute, shard_arrays)
+from ..._layout import (
+  LeafKind,
+  LeafSpec,
+  Piece,
+  addressable_data,
+  addressable_pieces,
+  batches,
+  filled,
+  piece_of,
+)
+from ..._placement import (
+  HolderLayout,
+  holder_layout,
+  owners,
+  replica_shardings,
+  ring_keepers,
+  ring_permutable,
+  ring_permute,
+  shard_arrays,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Packed:
@@ -94,10 +110,11 @@ def _received_plan(src: jax.sharding.NamedSharding, dst: jax.sharding.NamedShard
                    ) -> tuple[tuple[int, Index, int], ...]:
   """(receiving device id, global index, bytes) of each shard ``out`` holds
   here: the same for every save of a leaf, so computed once."""
-  inverse = dict(zip(dst.mesh.devices.flat, src.mesh.devices.flat))
+  inverse = dict(zip(dst.mesh.devices.flat, src.mesh.devices.flat, strict=True))
   idx_map = src.devices_indices_map(shape)
   plan = []
-  for device in out.addressable_devices:
+  devices: set[jax.Device] = out.addressable_devices
+  for device in devices:
     index = normalize(idx_map[inverse[device]], shape)
     plan.append((device.id, index, index_nbytes(index, itemsize)))
   return tuple(sorted(plan))
@@ -117,7 +134,8 @@ def _chunk_plan(path: str, index: Index, nbytes: int, chunk_bytes: int
   """(start, end, crc32c seed) of each ``chunk_bytes`` chunk of a piece."""
   starts = range(0, max(nbytes, 1), chunk_bytes)
   seeds = chunk_seeds(piece_key(path, index), len(starts))
-  return tuple((a, min(a + chunk_bytes, nbytes), seed) for a, seed in zip(starts, seeds))
+  return tuple((a, min(a + chunk_bytes, nbytes), seed)
+               for a, seed in zip(starts, seeds, strict=True))
 
 
 def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
@@ -139,7 +157,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   transfers: list[Transfer] = []
   protect: list[tuple[int, jax.Array]] = []
   arrays = staged(specs, leaves)
-  for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+  for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if i == middle:
       _faults.point("capture", step)
     if spec.kind is LeafKind.SCALAR:
@@ -165,7 +183,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       owner_of = owners(arr.sharding, tuple(arr.shape))
       transfers.extend(Transfer(i, arr, rs, owner_of, mine) for rs in shardings)
   _replicate(cap, transfers, step=step, batch_bytes=replica_batch_bytes)
-  if protect:
+  if protect and stripes is not None:  # (protect is filled only with stripes)
     _add_parity(cap, stripes, protect, host=host, step=step)
   return cap
 
@@ -209,7 +227,7 @@ def _replicate(cap: Capture, transfers: Sequence[Transfer], *, step: int,
     _faults.point("replica", step)
     for buf, which, offsets in moved:  # the drain reads each row once, as bytes
       rows = {s.device.id: s.data for s in buf.addressable_shards}
-      for j, start in zip(which, offsets):
+      for j, start in zip(which, offsets, strict=True):
         t = group[j]
         for device_id, index, nbytes in t.received(buf.sharding):
           if index not in t.mine:
@@ -226,7 +244,8 @@ def _plain(spec: LeafSpec, leaf: Any) -> jax.Array:
 
 @functools.lru_cache(maxsize=4096)
 def _on_cpu(sharding: jax.sharding.Sharding) -> bool:
-  return all(d.platform == "cpu" for d in sharding.device_set)
+  devices: set[jax.Device] = sharding.device_set
+  return all(d.platform == "cpu" for d in devices)
 
 
 def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any]
@@ -239,7 +258,7 @@ def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any]
   snapshot). On CPU, the leaf itself (its shards' views are the source)."""
   out: dict[int, tuple[jax.Array, jax.Array, bool]] = {}
   moves: list[int] = []
-  for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+  for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if spec.kind in (LeafKind.SCALAR, LeafKind.NUMPY):
       continue
     raw = _plain(spec, leaf)
@@ -250,7 +269,7 @@ def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any]
   if moves:
     raws = [out[i][0] for i in moves]
     pinned = jax.device_put(raws, [r.sharding.with_memory_kind("pinned_host") for r in raws])
-    for i, arr in zip(moves, pinned):
+    for i, arr in zip(moves, pinned, strict=True):
       out[i] = (out[i][0], arr, False)
   return out
 
@@ -317,7 +336,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   rows: dict[int, np.ndarray] = {}  # id(row) -> its bytes (the drain waits for the move)
   specs = cap.specs
   limit = min(CACHE_BYTES, chunk_bytes)
-  for j, (source, piece, at) in enumerate(zip(cap.sources, cap.pieces, offsets)):
+  for j, (source, piece, at) in enumerate(zip(cap.sources, cap.pieces, offsets, strict=True)):
     more = twins[j] if twins is not None else ()
     if type(source) is np.ndarray and source.flags.c_contiguous:  # a view (CPU)
       src = source.reshape(-1).view(np.uint8)
@@ -355,7 +374,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
     small_crcs.extend(here[i // 2] if i % 2 == 0 else there[i // 2].result())
   flat = [crc for f in running for crc in f.result()]
   crcs: list[tuple[int, ...]] = [()] * len(cap.pieces)
-  for j, crc in zip(small_at, small_crcs):
+  for j, crc in zip(small_at, small_crcs, strict=True):
     crcs[j] = (crc,)
   at = 0
   for j, n in per_piece:
@@ -392,7 +411,7 @@ def drain_domains(caps: Mapping[int, Capture], bufs: Mapping[int, np.ndarray],
                    [cap.sources[j] for j in own], {})
     got = drain(part, bufs[d], [offsets[d][j] for j in own], pool=pool,
                 chunk_bytes=chunk_bytes, twins=[twins.get((d, j), ()) for j in own])
-    crcs.update(((d, j), c) for j, c in zip(own, got))
+    crcs.update(((d, j), c) for j, c in zip(own, got, strict=True))
   for cap in caps.values():
     cap.release()
   return {d: [crcs[twin_of.get((d, j), (d, j))] for j in range(len(cap.pieces))]
@@ -412,7 +431,7 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   order = sorted(set(domain_of.values()))
   caps = {d: Capture(list(specs), [], [], [], {}) for d in order}  # only active domains
   arrays = staged(specs, leaves)
-  for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+  for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if i == len(specs) // 2:
       _faults.point("capture", step)
     if spec.kind is LeafKind.SCALAR:
@@ -461,4 +480,7 @@ def _domain_rows(leaf: int, layout: HolderLayout, order: tuple[int, ...], replic
     views.append(at_of.get(keepers[0], at_of[owner]))
     for d in keepers:
       per[d].append((piece, owner, view, at_of.get(d, at_of[owner])))
-  return tuple(views), tuple((d, *map(tuple, zip(*rows))) for d, rows in per.items() if rows)
+  # (each rows' columns, transposed: domain, pieces, owners, views, positions)
+  columns = tuple((d, *map(tuple, zip(*rows, strict=True))) for d, rows in per.items() if rows)
+  return tuple(views), cast(tuple[tuple[int, tuple[Piece, ...], tuple[int, ...],
+                                        tuple[int, ...], tuple[int, ...]], ...], columns)

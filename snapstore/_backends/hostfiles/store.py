@@ -9,8 +9,8 @@ Layout of one host's store (``<store_dir>/<run_id>/host-<h>/``, mode 0700)::
 The files outlive the trainer process (a tmpfs has no resource tracker that
 deletes them when the writer dies). A slot is reused only after its manifest
 is deleted, so a torn write can never be read as a snapshot. Slots are
-touched once when created: first-touch page faults would otherwise cut copy
-speed by ~3x.
+touched once when created: first-touch page faults would otherwise slow
+every copy into a fresh slot several times over.
 
 Safety: the run and host directories must be ours (owner, no symlink, not
 writable by others) or the store is refused before anything is touched;
@@ -32,14 +32,14 @@ import re
 import shutil
 import stat
 from pathlib import Path
+from typing import cast
 
 import msgpack
 import numpy as np
 
 from ... import _faults, _planner, errors
 from ..._index import align
-from ..._manifest import (MAX_MANIFEST_BYTES, Manifest, decode, encode, kept_copy,
-                          write_atomic)
+from ..._manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode, kept_copy, write_atomic
 from ..base import NO_PROGRESS
 
 logger = logging.getLogger(__name__)
@@ -304,8 +304,8 @@ class HostStore:
     st = write_atomic(path, encode(manifest),
                       before_rename=lambda: _faults.point("manifest", manifest.step))
     # The file version just written decodes to ``manifest`` (tested): the
-    # retention scan that follows need not decode it again (a state of 500
-    # leaves on 8 devices: ~160 ms). Any later change to the file is a new
+    # retention scan that follows need not decode it again (costly for a
+    # state of many leaves). Any later change to the file is a new
     # version, decoded and validated as usual. ``extra`` is the caller's
     # object: the store keeps its own copy, as a decode would give.
     self._decoded[path] = ((st.st_mtime_ns, st.st_size, st.st_ino), kept_copy(manifest))
@@ -414,5 +414,5 @@ def scan(root: Path, *, run_id: str, host: int,
     for gone in set(cache) - seen:
       del cache[gone]
   valid = sorted([e for e in out if e[1] is not None],
-                 key=lambda e: (e[1].step, e[1].incarnation))
+                 key=lambda e: (cast(Manifest, e[1]).step, cast(Manifest, e[1]).incarnation))
   return valid + [e for e in out if e[1] is None]

@@ -17,18 +17,24 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from ... import _parity
 from ..._assemble import Assembler, BadCopy
-from ..._checksum import (ChecksumKind, as_checksum, copy_verified,
-                          device_checksum, piece_key, shard_checksums)
+from ..._checksum import (
+  ChecksumKind,
+  as_checksum,
+  copy_verified,
+  device_checksum,
+  piece_key,
+  shard_checksums,
+)
 from ..._index import Index, shape_of
 from ..._layout import LeafKind, LeafSpec
-from ... import _parity
 from ..._manifest import Manifest, piece_row, split_parity
 from ..._planner import Copy, StepPlan
 from ...options import SnapshotOptions, StoreKind
@@ -120,7 +126,8 @@ class PinnedHostBackend(DomainStores):
       sums = sums_of[sid]
       pieces, parity = split_parity(
           (piece_row(p.leaf, p.index, pos, p.nbytes, ck, owner, cap.kind(p.leaf, p.index))
-           for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums))), cap.parity)
+           for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums, strict=True))),
+          cap.parity)
       nbytes += cap.nbytes(sid)
       store.fill(slot, cap.arrays[sid], cap.host_devices.get(sid))
       store.commit(Manifest(pieces=pieces,
@@ -139,22 +146,28 @@ class PinnedHostBackend(DomainStores):
     path, dtype = plan.path_and_dtype(rec)
     holder = f"slice {copy.store}"
     key = piece_key(path, rec.index)
+    got: Stored | None
     try:
       stored = self._stored(copy)
       if rec.kind is ChecksumKind.CRC32C:  # a private copy, verified as it is made
-        got = copy_verified(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes,
-                            key=key, pool=self._pool if out is None else None, out=out)
+        host = copy_verified(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes,
+                             key=key, pool=self._pool if out is None else None, out=out)
+        if host is None:
+          got = None
+        elif rec.leaf < 0:
+          got = host.view(dtype)
+        else:
+          got = host.view(dtype).reshape(shape_of(rec.index))
         ok = got is not None
-        if ok:
-          got = got.view(dtype) if rec.leaf < 0 else got.view(dtype).reshape(shape_of(rec.index))
-      else:
-        got = jax.device_put(stored, SingleDeviceSharding(device or device_of(stored)))
+      else:  # (a device-summed copy is a jax.Array)
+        on = device or device_of(cast(jax.Array, stored))
+        got = jax.device_put(stored, SingleDeviceSharding(on))
         ok = as_checksum(device_checksum(got)) == tuple(rec.checksum)
     except (RuntimeError, KeyError) as e:  # JaxRuntimeError (slice lost), freed buffers
       raise BadCopy(copy.key(plan.step), path,
                     why=f"unreadable ({str(e).splitlines()[0] if str(e) else e!r})",
                     holder=holder) from e
-    if not ok:
+    if not ok or got is None:
       raise BadCopy(copy.key(plan.step), path, holder=holder)
     return got
 
@@ -201,7 +214,7 @@ class PinnedHostBackend(DomainStores):
         return None
       out, rows = sums
       got = np.asarray(out)
-      for (copy, _), (device, _) in zip(picks, wanted):
+      for (copy, _), (device, _) in zip(picks, wanted, strict=True):
         if as_checksum(got[rows[device]]) != tuple(copy.record.checksum):
           raise BadCopy(copy.key(plan.step), spec.path, holder=f"slice {copy.store}")
     except BadCopy as e:

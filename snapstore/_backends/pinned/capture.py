@@ -24,15 +24,22 @@ import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from ... import _faults, _parity
-from ..._checksum import (Checksum, ChecksumKind, as_checksum, crc_chunks, device_checksum,
-                          piece_key, shard_checksums)
+from ..._checksum import (
+  Checksum,
+  ChecksumKind,
+  as_checksum,
+  crc_chunks,
+  device_checksum,
+  piece_key,
+  shard_checksums,
+)
 from ..._index import Index, nbytes as index_nbytes, normalize
 from ..._layout import LeafKind, LeafSpec, Piece, piece_of, positions
 from ..._placement import HolderLayout, holder_layout, ring_keepers, shard_arrays
@@ -46,7 +53,7 @@ class PinnedCapture:
   and the checksum of every distinct piece (pending on device)."""
 
   pieces: dict[int, list[tuple[Piece, int]]]   # domain -> (piece, owner domain)
-  arrays: dict[int, list[Stored]]
+  arrays: dict[int, list[Stored | None]]  # None until dispatched, or drained (CPU)
   sums: dict[tuple[int, Index], Callable[[], Checksum]]
   kinds: dict[tuple[int, Index], ChecksumKind]
   scalars: dict[int, Any]
@@ -81,16 +88,16 @@ class PinnedCapture:
     jobs = {d: self.host.pop(d) for d in sorted(self.host)}
     offsets = {d: layout_offsets(cap.pieces) for d, (cap, _, _) in jobs.items()}
     bufs = {d: take(d, cap.nbytes) for d, (cap, _, _) in jobs.items()}
-    kinds = {d: [(src.dtype, src.shape) for src in cap.sources]
+    kinds = {d: [(src.dtype, src.shape) for src in cast(list[np.ndarray], cap.sources)]
              for d, (cap, _, _) in jobs.items()}
     crcs = drain_domains({d: cap for d, (cap, _, _) in jobs.items()}, bufs, offsets,
                          pool=pool, chunk_bytes=chunk_bytes)
     for d, (cap, places, devices) in jobs.items():
       parts = [bufs[d][at:at + p.nbytes].view(dtype).reshape(shape)
-               for p, at, (dtype, shape) in zip(cap.pieces, offsets[d], kinds[d])]
+               for p, at, (dtype, shape) in zip(cap.pieces, offsets[d], kinds[d], strict=True)]
       sums = self.host_sums.setdefault(d, {})
       where = self.host_devices.setdefault(d, {})
-      for pos, device, part, crc in zip(places, devices, parts, crcs[d]):
+      for pos, device, part, crc in zip(places, devices, parts, crcs[d], strict=True):
         self.arrays[d][pos] = part
         where[pos] = device
         sums[pos] = crc
@@ -105,7 +112,7 @@ class PinnedCapture:
     done = self.host_sums.get(domain, {})
     rest = [(pos, p) for pos, (p, _) in enumerate(self.pieces[domain]) if pos not in done]
     got = dict(zip((pos for pos, _ in rest),
-                   pool.map(lambda x: self.sums[(x[1].leaf, x[1].index)](), rest)))
+                   pool.map(lambda x: self.sums[(x[1].leaf, x[1].index)](), rest), strict=True))
     return [done[pos] if pos in done else got[pos] for pos in range(len(self.pieces[domain]))]
 
 
@@ -132,15 +139,15 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
                       checksum=checksum)
   # On CPU a pinned copy is host memory like any other: the drain copies
   # each piece once, checksumming it as it goes, into memory reused from the
-  # slot's last snapshot (a put to pinned_host here cost the caller 1 ms a
-  # leaf, and the drain a second pass for the crc32c and fresh pages).
+  # slot's last snapshot (a put to pinned_host would cost the caller a JAX
+  # call a leaf, and the drain a second pass for the crc32c and fresh pages).
   on_host = checksum is ChecksumKind.CRC32C and all(
       d.platform == "cpu" for devs in ring.slices.values() for d in devs)
   if on_host:
     cap.host = {d: (HostCapture(list(specs), [], [], [], {}), [], []) for d in ring.order}
   planned: list[tuple[int, jax.Array, _LeafPlan]] = []
   protect: list[tuple[int, jax.Array]] = []
-  for i, (spec, leaf) in enumerate(zip(specs, leaves)):
+  for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if i == len(specs) // 2:
       _faults.point("capture", step)
     if spec.kind is LeafKind.SCALAR:
@@ -149,7 +156,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       data = np.array(leaf, copy=True)  # the caller may mutate it
       index = tuple((0, n) for n in data.shape)
       ck = crc_chunks(data, chunk_bytes=chunk_bytes, key=piece_key(spec.path, index))
-      cap.sums[(i, index)] = lambda c=ck: c
+      cap.sums[(i, index)] = _known(ck)
       cap.kinds[(i, index)] = ChecksumKind.CRC32C
       for k in ring.order:  # a copy each: one bad byte must not spoil them all
         cap.pieces[k].append((Piece(i, index, data.nbytes), ring.order[0]))
@@ -170,7 +177,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
         cap.arrays[d].append(None)  # filled at dispatch
       planned.append((i, arr, plan))
   length = 0
-  if protect:
+  if protect and stripes is not None:  # (protect is filled only with stripes)
     layouts, length = _parity.layout(stripes, [i for i, _ in protect],
                                      [a for _, a in protect])
     for (s, j), device in np.ndenumerate(stripes.grid):
@@ -198,7 +205,7 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       cap.sums[(i, index)] = (_pending_sum(src, per_shard) if on_device
                               else _host_sum(cap, d, slot[(i, index, d)], chunk_bytes,
                                              piece_key(specs[i].path, index)))
-  if protect:
+  if protect and stripes is not None:
     out = _parity.encode(stripes, [a for _, a in protect], length)
     _faults.point("replica", step)
     for shard in out.addressable_shards:  # each block to its own device's host RAM
@@ -212,9 +219,20 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   return cap
 
 
+def _known(checksum: Checksum) -> Callable[[], Checksum]:
+  """A checksum already computed, as :attr:`PinnedCapture.sums` holds one."""
+  return lambda: checksum
+
+
 def _held_once(layout: HolderLayout) -> bool:
   """True if some piece is held by one domain only (no data-parallel twin)."""
   return any(len(held) < 2 for _, held in layout)
+
+
+# per keeping domain: (domain, (piece, owner) of each copy, its piece, which
+# view it is read from, the device that keeps it)
+_HostRowsDomains = tuple[tuple[int, tuple[tuple[Piece, int], ...], tuple[Piece, ...],
+                               tuple[int, ...], tuple[jax.Device, ...]], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +244,7 @@ class _HostRows:
   copy, its piece, which view it is read from, the device that keeps it)."""
 
   views: tuple[int, ...]
-  domains: tuple[tuple[int, tuple[tuple[Piece, int], ...], tuple[Piece, ...],
-                       tuple[int, ...], tuple[jax.Device, ...]], ...]
+  domains: _HostRowsDomains
 
 
 @functools.lru_cache(maxsize=1 << 16)  # one entry a leaf: a state has thousands
@@ -245,8 +262,9 @@ def _host_rows(leaf: int, layout: HolderLayout, device_ids: tuple[int, ...], rin
     n = index_nbytes(index, itemsize)
     per[d].append((_kept(leaf, index, n, keep[(index, d)]), piece_of(leaf, index, n),
                    view_of[index], device))
-  return _HostRows(tuple(views),
-                   tuple((d, *map(tuple, zip(*rows))) for d, rows in per.items() if rows))
+  # (each domain's rows, transposed: its copies, pieces, views and devices)
+  columns = tuple((d, *map(tuple, zip(*rows, strict=True))) for d, rows in per.items() if rows)
+  return _HostRows(tuple(views), cast(_HostRowsDomains, columns))
 
 
 def _add_host_leaf(cap: PinnedCapture, leaf: int, path: str, arr: jax.Array, ring: _Ring,

@@ -11,9 +11,9 @@ On CPU a slot holds each piece as its part of the slot's host memory (a
 numpy view: what the drain wrote and the restore reads), and hands out a
 ``pinned_host`` array of it on its device only when asked
 (:meth:`PinnedHostStore.array`): the same bytes, no copy. A jax.Array per
-piece held for the life of a snapshot cost the drain 10-13 ms a save to make
-at 500 leaves (timed in a scratch script), and thousands of long-lived
-objects that bring Python's full collections closer.
+piece held for the life of a snapshot would cost the drain a JAX call per
+piece every save, and make thousands of long-lived objects that bring
+Python's full collections closer.
 """
 
 from __future__ import annotations
