@@ -185,7 +185,7 @@ def young_daly_interval(sc: Scenario) -> int:
   """The interval ``SnapshotOptions(interval="auto")`` would choose here: the
   same rule (``snapstore._interval.young_daly_steps``) on this model's cost
   of one snapshot and the job's MTBF."""
-  from snapstore._interval import young_daly_steps  # noqa: PLC0415
+  from snapstore._interval import young_daly_steps
   cost = sc.snapshot_interference * sc.state_bytes_per_host / sc.host_device_bps
   return young_daly_steps(cost, sc.mtbf_host_s / sc.hosts, sc.step_s)
 
@@ -201,9 +201,9 @@ def _table(sc_name: str, sc: Scenario) -> dict[str, Any]:
 
 
 def curves(sc: Scenario, name: str, out_dir: Path) -> list[str]:
-  import matplotlib  # noqa: PLC0415
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.pyplot as plt
   out_dir.mkdir(parents=True, exist_ok=True)
   paths = []
   for key, xs, label, log in (
@@ -257,7 +257,7 @@ def check(rewind_results: dict[str, Any], delay: tuple[float, float] = (0.0, 0.0
       expected = mean_rewind(c, ckpt_s, m["step_s"], delay=delay)
       if mode == "with":  # a snapshot every step, the checkpoint as fallback
         per_kill = [min(p, rewind_at(k, 1, m["snapshot_commit_s"], m["step_s"], delay))
-                    for p, k in zip(per_kill, kills)]
+                    for p, k in zip(per_kill, kills, strict=True)]
         expected = min(expected, mean_rewind(1, m["snapshot_commit_s"], m["step_s"],
                                              delay=delay))
       pred = sum(per_kill) / len(per_kill)
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         for path in curves(PRESETS[n], n, Path(args.curves))]
   if args.check:
     result["check"] = check(json.loads(Path(args.check).read_text()))
-  from benchmarks._common import emit  # noqa: PLC0415
+  from benchmarks._common import emit
   emit("goodput", result, args.out)
   return 0
 

@@ -63,8 +63,8 @@ def _params() -> list[tuple[str, tuple[int, ...], int]]:
             (f"{p}/pre_norm/scale", (D,), 0), (f"{p}/attn/key/kernel", (D, KVH, HD), 0),
             (f"{p}/attn/out/kernel", (QH, HD, D), 2), (f"{p}/attn/query/kernel", (D, QH, HD), 0),
             (f"{p}/attn/value/kernel", (D, KVH, HD), 0)]
-  return out + [("params/decoder/norm/scale", (D,), 0),
-                ("params/decoder/logits/kernel", (D, VOCAB), 0)]
+  return [*out, ("params/decoder/norm/scale", (D,), 0),
+          ("params/decoder/logits/kernel", (D, VOCAB), 0)]
 
 
 class Layout:
@@ -121,7 +121,8 @@ class Layout:
       rows.append(piece_row(leaf, index, off, nb, (0,) * max(1, -(-nb // CHUNK)), owner, crc))
       off += align(nb)
     for leaf in self.arrays():
-      devs = [LOCAL * host] if self.axes[leaf] is None else range(LOCAL * host, LOCAL * host + LOCAL)
+      first = LOCAL * host
+      devs = [first] if self.axes[leaf] is None else range(first, first + LOCAL)
       for d in devs:
         add(leaf, self.index(leaf, d), host)
     prev = (host - 1) % self.n
@@ -344,6 +345,7 @@ def before(n: int) -> dict:
   gathered (the all-reduce faked by what it returns), decoded, planned for
   one host lost, and the lost pieces found (:func:`_exchange.missing_pieces`)."""
   import msgpack
+
   from snapstore import _exchange, _planner
   from snapstore._manifest import encode
   from snapstore._switch import collections_paused

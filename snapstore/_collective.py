@@ -155,8 +155,8 @@ class JaxCollective:
 
   def permute(self, pairs: Sequence[tuple[int, int]], payload: np.ndarray | None,
               width: int) -> np.ndarray | None:
-    mesh, local = self._mesh()
-    first = {}
+    mesh, _ = self._mesh()
+    first: dict[int, int] = {}
     for i, d in enumerate(mesh.devices.flat):
       first.setdefault(d.process_index, i)
     width = bucket(width)

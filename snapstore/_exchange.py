@@ -9,7 +9,7 @@ through a socket of snapstore's own.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -53,7 +53,8 @@ def gather_manifests(local: Sequence[Manifest], values: Sequence[int] = ()
     out.extend(decode(b) for b in manifests)
     if len(theirs) != len(values):
       raise ValueError(f"a process sent {len(theirs)} values to agree on, this one {len(values)}")
-    maxes = list(theirs) if maxes is None else [max(a, int(b)) for a, b in zip(maxes, theirs)]
+    maxes = (list(theirs) if maxes is None
+             else [max(a, int(b)) for a, b in zip(maxes, theirs, strict=True)])
   return out, tuple(maxes or ())
 
 
@@ -83,9 +84,10 @@ def missing_pieces(plan: StepPlan, leaf: int, sharding: jax.sharding.Sharding,
       (everywhere if c.store == REBUILT else held.setdefault(c.store, set())).add(idx)
   pieces = list(plan.leaf_copies(leaf))
   out: set[Index] = set()
-  for device, idx in sharding.devices_indices_map(shape).items():
+  idx_map: Mapping[Any, Any] = sharding.devices_indices_map(shape)
+  for device, slices in idx_map.items():
     mine = held.get(device.process_index, set())
-    target = normalize(idx, shape)
+    target = normalize(slices, shape)
     if target in mine:  # the common case: the saved layout, its own copy
       continue
     for piece, _, _ in overlaps(pieces, target):
@@ -155,5 +157,5 @@ def _sum(contribution: np.ndarray) -> np.ndarray:
   parts = [jax.device_put(mine if i == 0 else zeros, d) for i, d in enumerate(local)]
   g = jax.make_array_from_single_device_arrays(
       (mesh.size, size), NamedSharding(mesh, P(_AXIS)), parts)
-  total = _sum_fn(mesh, contribution.dtype.type)(g)
+  total = _sum_fn(mesh, contribution.dtype)(g)
   return np.asarray(total.addressable_shards[0].data)[:contribution.size]

@@ -68,17 +68,18 @@ class SnapshotManager:
     else:
       self.persistent = OrbaxTier(persistent)
     prev_step, prev_inc = self.backend.read_progress()
-    self.incarnation = self.options.incarnation
-    if self.incarnation is None:
-      self.incarnation = launch.incarnation_from_env()
-    if self.incarnation is None:
+    incarnation = self.options.incarnation
+    if incarnation is None:
+      incarnation = launch.incarnation_from_env()
+    if incarnation is None:
       seen = [m.incarnation for m in self.backend.manifests()] + [prev_inc]
       # a replaced host starts empty: agree on the max.
-      (self.incarnation,) = self._peers.agree_max(max(seen) + 1)
-      if self.incarnation > MAX_INT:
+      (incarnation,) = self._peers.agree_max(max(seen) + 1)
+      if incarnation > MAX_INT:
         raise errors.StoreError(
-            f"the stores name incarnation {self.incarnation - 1}, the most there can be; "
+            f"the stores name incarnation {incarnation - 1}, the most there can be; "
             f"inspect them ({self.backend.describe()}) or pass incarnation=")
+    self.incarnation: int = incarnation
     self._newest_step = prev_step
     self.metrics = SaveMetrics()
     self._drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
@@ -119,7 +120,7 @@ class SnapshotManager:
       return False
     check_extra(extra)
     specs, leaves, _ = flatten(state)
-    if persist:
+    if persist and self.persistent is not None:
       self.persistent.save(step, specs, leaves, extra)
       self.metrics.persistent_saves += 1
     if not snap:
@@ -259,8 +260,8 @@ class SnapshotManager:
     values = (max([self._newest_step] + [m.step for m in local]), self.incarnation,
               -(persistent_steps[-1] if persistent_steps else -1))
     exchange = ""
-    if self._peers.multi_host:
-      sparse = self._restore_sparse(local, target_specs, targets, treedef, step,
+    if isinstance(self._peers, _peers.Distributed):
+      sparse = self._restore_sparse(self._peers, local, target_specs, targets, treedef, step,
                                     persistent_steps, values, notes, timings, t0)
       if isinstance(sparse, RestoreResult):
         return sparse
@@ -325,7 +326,8 @@ class SnapshotManager:
     self._branch_from(result.step, manifests)
     return result
 
-  def _restore_sparse(self, local: Sequence[Any], target_specs: list[LeafSpec],
+  def _restore_sparse(self, peers: _peers.Distributed, local: Sequence[Any],
+                      target_specs: list[LeafSpec],
                       targets: list[Any], treedef: Any, step: int | None,
                       persistent_steps: list[int], values: tuple[int, int, int],
                       notes: list[str], timings: dict[str, float], t0: float
@@ -334,7 +336,7 @@ class SnapshotManager:
     (:meth:`._peers.Distributed.restore`); or why every host's manifests
     must be exchanged instead."""
     with _switch.collections_paused(self.options.pause_gc):
-      got = self._peers.restore(self.backend, self._arenas, local, target_specs, targets,
+      got = peers.restore(self.backend, self._arenas, local, target_specs, targets,
                                 step=step, slots=max(self.options.keep, 1), values=values,
                                 persistent_steps=persistent_steps)
     self.incarnation = got.incarnation
@@ -344,7 +346,7 @@ class SnapshotManager:
     if got.fallback is not None:
       return got.fallback
     persistent_steps = [s for s in persistent_steps if s <= got.persistent_latest]
-    if got.plan is not None:
+    if got.plan is not None and got.leaves is not None:
       plan = got.plan
       timings["read"] = sum(timings.get(k, 0.0) for k in ("read_verify", "read_agree",
                                                           "read_place"))
@@ -385,7 +387,7 @@ class SnapshotManager:
                           target_specs: list[LeafSpec], targets: list[Any], treedef: Any,
                           newest: int, notes: list[str], timings: dict[str, float],
                           t0: float, exchange: str = "") -> RestoreResult:
-    if not persistent_steps:
+    if not persistent_steps or self.persistent is None:
       where = self.persistent.directory if self.persistent else "no persistent tier"
       what = f"step {step}" if step is not None else "any step"
       raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(

@@ -38,13 +38,15 @@ def _rebuild(assembler: Assembler, piece: Callable[[int, Index], np.ndarray | No
   plan = assembler.plan
   if not plan.rebuilds:
     return 0
-  itemsize = lambda leaf: plan.specs[leaf].np_dtype.itemsize  # noqa: E731
-  shares = [_parity.contribution(rb.layout, rb.lost, itemsize, piece,
-                                 lambda j, rb=rb: block(rb.blocks[j]))
+  def itemsize(leaf: int) -> int:
+    return int(plan.specs[leaf].np_dtype.itemsize)
+  def blocks_of(rb: Any) -> Callable[[int], np.ndarray | None]:
+    return lambda j: block(rb.blocks[j])
+  shares = [_parity.contribution(rb.layout, rb.lost, itemsize, piece, blocks_of(rb))
             for rb in plan.rebuilds]
   flat = total(np.concatenate(shares))
   at = 0
-  for rb, share in zip(plan.rebuilds, shares):
+  for rb, share in zip(plan.rebuilds, shares, strict=True):
     buf = np.array(flat[at:at + share.size])  # private: the leaves adopt it
     at += share.size
     for leaf, idx, raw in _parity.split(rb.layout, rb.lost, buf, itemsize):
@@ -273,7 +275,7 @@ class Distributed:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     split = _Split([by_path[t.path] for t in target_specs])
     needed: dict[tuple[int, Index], None] = {}
-    for pos, (tspec, target) in enumerate(zip(target_specs, targets)):
+    for pos, (tspec, target) in enumerate(zip(target_specs, targets, strict=True)):
       li = split.leaf[pos]
       spec = plan.specs[li]
       if spec.kind is LeafKind.SCALAR:
@@ -317,7 +319,7 @@ class Distributed:
         off += sizes[i]
       total = _exchange.sum_bytes(buf)
       exchanged += total.nbytes
-      for i, at in zip(group, offsets):
+      for i, at in zip(group, offsets, strict=True):
         assembler.adopt(*keys[i], np.array(total[at: at + nbytes[i]]))
     for pos in split.moved:
       out[pos] = assembler.leaf(split.leaf[pos], target_specs[pos], targets[pos])

@@ -265,9 +265,10 @@ def retention(manifests: Sequence[Manifest], keep: int,
   """The manifests of one store to delete, and why: those a newer
   incarnation superseded, then all but ``keep`` valid ones: the newest, and
   the newest of the rest, those whose step ``carries`` replicas (or parity;
-  ``SnapshotOptions.carries_replicas``, alike for every store) first. With replicas on every other snapshot, the newest that
-  carries them can be incomplete for the job (a peer died during its
-  transfer) although this store's copy committed; the carrier before it is
+  ``SnapshotOptions.carries_replicas``, alike for every store) first. With
+  replicas on every other snapshot, the newest that carries them can be
+  incomplete for the job (a peer died during its transfer) although this
+  store's copy committed; the carrier before it is
   then the newest step whose every piece survives, and a snapshot without
   replicas would not be, once its host's store is lost. A pure function of
   the manifests; the store applies it."""

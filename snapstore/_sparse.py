@@ -260,7 +260,7 @@ def encode_rows(held: Held, needs: Sequence[Need], holders: Sequence[int],
   for i, (need, h) in enumerate(zip(needs, holders, strict=True)):
     if h != held.host:
       continue
-    rec = held.record(held.leaf_of(target_specs[need.pos]), need.region)
+    rec = held.record(held.by_path[target_specs[need.pos].path], need.region)
     rows.append([i, rec.nbytes, list(rec.checksum), rec.owner, rec.kind.value])
   if not rows and header is None:
     return b""
@@ -310,8 +310,9 @@ def plan(coll: Collective, manifest: Manifest | None, cand: Candidate,
     return got
   holders = got
   send_header = bool(lacking) and manifest is not None and host == cand.holders[0]
+  head = shared_content(manifest) if send_header and manifest is not None else None
   rows, header_blob = decode_rows(coll.gather_blobs(encode_rows(
-      held, needs, holders, target_specs, shared_content(manifest) if send_header else None)))
+      held, needs, holders, target_specs, head)))
   header = Header.of(manifest) if manifest is not None else header_from(header_blob or b"",
                                                                         cand.digest)
   by_path = {s.path: i for i, s in enumerate(header.leaves)}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from snapstore import _agree, _sparse
-from snapstore._collective import NONE, Traffic, bucket
+from snapstore._collective import NONE, bucket
 
 
 def test_records_round_trip_and_the_freshest_agreed_step_wins():

@@ -175,7 +175,8 @@ def test_kills_inside_a_snapshot_or_a_restore_never_restore_a_partial_one(
       + [Kill(host=2, step=-1, phase="restore", incarnation=3)],
       args=["--hosts-per-domain", "2"], max_incarnations=5)
   assert [i.killed for i in job.incs] == [[1], [1], [1], [2], []]
-  for i, (phase, step) in zip((1, 2, 4), phases):  # incarnation 3's restore was cut short
+  # (incarnation 3's restore was cut short)
+  for i, (phase, step) in zip((1, 2, 4), phases, strict=True):
     report = json.loads((job.out / f"inc{i}-host0.json").read_text())
     r = report["restore"]
     assert r["source"] == "snapshot", (phase, r)
@@ -269,6 +270,7 @@ def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_
   Host 0's own copy of one of its shards there has a flipped byte too (it
   is verified as it is copied out, not in place): it is named as well."""
   import dataclasses
+
   from snapstore._manifest import encode
   seen = {}
 
