@@ -23,7 +23,7 @@ from .options import (
     StoreKind as StoreKind,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.9.0"
 
 __all__ = [
     "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError", "DrainFailedError",
