@@ -283,9 +283,9 @@ class SnapshotManager:
     bad: set[_planner.CopyKey] = set()
     reasons: list[str] = []
     # A restore of many leaves makes tens of thousands of objects, and the
-    # arrays it returns outlive young collections: full collections ran
-    # during 3 of 8 restores of a 500-leaf state, each ~130 ms (scratch,
-    # ``gc.callbacks``). Paused as a save is (``pause_gc``).
+    # arrays it returns outlive young collections, so full collections would
+    # run during it (``benchmarks.capture`` counts them). Paused as a save
+    # is (``pause_gc``).
     with _switch.collections_paused(self.options.pause_gc):
       while True:
         t = time.perf_counter()
@@ -392,7 +392,7 @@ class SnapshotManager:
       what = f"step {step}" if step is not None else "any step"
       raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(
           f"no complete snapshot of {what} in {self.backend.describe()} and no committed "
-          f"checkpoint in {where}. Nothing was deleted; start from scratch, or "
+          f"checkpoint in {where}. Nothing was deleted; start a new run, or "
           "point store_dir/run_id/persistent at the run to resume.")
     pstep = persistent_steps[-1]
     notes.append(f"no complete snapshot at or after step {pstep}; "
