@@ -16,8 +16,9 @@ After a heal every process compiles for a new device order (gloo, see
   machine (triple, CPU model, features) stays in the key.
 
 With the keys shared, a process after a heal loads the train step from
-the cache instead of compiling it again. Private JAX functions: left alone where they are missing or their
-signatures differ, which costs cache hits, never correctness.
+the cache instead of compiling it again. Private JAX functions: left alone
+where they are missing or their signatures differ, which costs cache hits,
+never correctness.
 """
 
 from __future__ import annotations
