@@ -191,10 +191,16 @@ def targets_of(layout: Layout, host: int) -> list[Any]:
 
 # ------------------------------------------------------------ the stand-in
 class Lockstep:
-  """The collective of the hosts run as threads, bystanders filled in."""
+  """The collective of the hosts run as threads, bystanders filled in:
+  a bystander holds what host 0 holds (the bitmaps of :func:`_agree.candidates`
+  get its bit where host 0 sets its own), sends no blob (zeros in every
+  sum), and never holds a needed piece nearer than a neighbour (it is left
+  out of every minimum; the maxima of equal stores are host 0's)."""
 
-  def __init__(self, n: int, hosts: Sequence[int], bystander_row: np.ndarray):
-    self.n, self.hosts, self.row = n, list(hosts), bystander_row
+  def __init__(self, n: int, hosts: Sequence[int]):
+    self.n, self.hosts = n, list(hosts)
+    self.bystanders = np.ones(n, bool)
+    self.bystanders[self.hosts] = False
     self.barrier = threading.Barrier(len(hosts), action=self._combine)
     self.after = threading.Barrier(len(hosts))
     self.put: dict[int, Any] = {}
@@ -202,18 +208,17 @@ class Lockstep:
     self.out: Any = None
 
   def _combine(self) -> None:
-    from snapstore._collective import NONE
-    if self.kind == "rows":
-      width = len(next(iter(self.put.values())))
-      out = np.tile(self.row[:width], (self.n, 1))
-      for h, r in self.put.items():
-        out[h] = r
+    vals = list(self.put.values())
+    if self.kind == "or":
+      out = np.bitwise_or.reduce(vals)
+      if np.unpackbits(self.put[0], bitorder="little")[0]:  # host 0 holds: so do they
+        bits = np.unpackbits(out, bitorder="little")[:self.n] | self.bystanders
+        out = np.packbits(bits, bitorder="little")[:len(out)]
       self.out = out
-    elif self.kind == "blobs":
-      self.out = [self.put.get(h, b"") for h in range(self.n)]
+    elif self.kind == "sum":
+      self.out = np.sum(vals, axis=0, dtype=np.uint8)
     elif self.kind == "min":
-      vals = list(self.put.values())
-      self.out = np.minimum.reduce(vals) if vals else np.full(0, NONE, np.int32)
+      self.out = np.minimum.reduce(vals)
     self.put = {}
 
   def call(self, host: int, kind: str, value: Any) -> Any:
@@ -234,33 +239,58 @@ class SimCollective:
     self.world, self.host, self.num_hosts = world, host, world.n
     self.traffic = Traffic()
 
-  def gather_rows(self, row: np.ndarray) -> np.ndarray:
+  def _count(self, nbytes: int) -> None:
     from snapstore._collective import bucket
-    row = np.ascontiguousarray(row).reshape(-1).view(np.uint8)
-    out = self.world.call(self.host, "rows", row)
-    size = bucket(self.num_hosts * row.size)
+    size = bucket(nbytes) if nbytes else 0
     self.traffic.add(size, size)
-    return out
 
-  def gather_blobs(self, blob: bytes) -> list[bytes]:
-    from snapstore._collective import bucket
-    out = self.world.call(self.host, "blobs", blob)
-    lengths = bucket(self.num_hosts * 8)
-    self.traffic.add(lengths, lengths)
-    total = sum(len(b) for b in out)
-    if total:
-      self.traffic.add(bucket(total), bucket(total))
-    return out
+  def reduce_or(self, bits: np.ndarray) -> np.ndarray:
+    self._count(bits.nbytes)
+    return self.world.call(self.host, "or", np.asarray(bits, np.uint8))
+
+  def sum_bytes(self, buf: np.ndarray) -> np.ndarray:
+    buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    self._count(buf.nbytes)
+    return self.world.call(self.host, "sum", buf).copy()
 
   def reduce_min(self, values: np.ndarray) -> np.ndarray:
-    from snapstore._collective import bucket
-    out = self.world.call(self.host, "min", np.asarray(values, np.int32))
-    size = 4 * bucket(len(values)) if len(values) else 0
-    self.traffic.add(size, size)
-    return out
+    values = np.asarray(values, np.int32)
+    if values.size:
+      self.traffic.add(4 * _bucket(values.size), 4 * _bucket(values.size))
+    return self.world.call(self.host, "min", values)
 
   def permute(self, *a: Any) -> Any:  # pragma: no cover - not simulated
     raise NotImplementedError("the moves are not simulated (their bytes are reported)")
+
+
+def _bucket(n: int) -> int:
+  from snapstore._collective import bucket
+  return bucket(n)
+
+
+def lockstep(n: int, hosts: Sequence[int], fn: Any) -> list[Any]:
+  """``fn(collective)`` on each of ``hosts`` of an ``n``-host job, as
+  threads in lockstep (:class:`Lockstep`); their results, in ``hosts``
+  order. An error in one is raised here (the others are released)."""
+  world = Lockstep(n, hosts)
+  results: dict[int, Any] = {}
+  errors: list[BaseException] = []
+
+  def one(h: int) -> None:
+    try:
+      results[h] = fn(SimCollective(world, h))
+    except BaseException as e:  # noqa: BLE001 - carried back to the caller
+      errors.append(e)
+      world.barrier.abort()
+      world.after.abort()
+  threads = [threading.Thread(target=one, args=(h,)) for h in hosts]
+  for th in threads:
+    th.start()
+  for th in threads:
+    th.join()
+  if errors:
+    raise errors[0]
+  return [results[h] for h in hosts]
 
 
 # --------------------------------------------------------------- one case
@@ -271,11 +301,10 @@ def restore_decision(coll: SimCollective, layout: Layout, manifests: list[Any]) 
   from snapstore._switch import collections_paused
   t = time.thread_time()
   with collections_paused(True):
-    recs = _agree.gather_records(coll, _agree.local_records(coll.host, manifests, 2), 2)
     _agree.max64(coll, (STEPS[-1], 0, 1))
     out: dict[str, Any] = {"verdict": "persistent"}
     targets = targets_of(layout, coll.host)
-    for cand in _agree.candidates(recs):
+    for cand in _agree.candidates(coll, manifests):
       got = _sparse.plan(coll, _sparse.manifests_at(manifests, cand), cand, layout.specs,
                          targets)
       if isinstance(got, _sparse.Lost):
@@ -294,36 +323,19 @@ def restore_decision(coll: SimCollective, layout: Layout, manifests: list[Any]) 
 
 
 def run_case(n: int, case: str, redundancy: str) -> dict:
-  from snapstore import _agree
   layout = Layout(n)
   parity = redundancy == "parity"
   lost = {"none": [], "one": [n // 2], "two": [n // 2, n // 2 + 1]}[case]
   hosts = sorted({0, *lost, *[(h + k) % n for h in lost or [0] for k in (1, 2, 3)]})
   stores = {h: [] if h in lost else [layout.manifest(h, s, i, parity=parity)
                                      for i, s in enumerate(STEPS)] for h in hosts}
-  some = next(h for h in hosts if h not in lost)
-  row = _agree.encode_row(_agree.local_records(some, stores[some], 2), 2).view(np.uint8)
-  world = Lockstep(n, hosts, row)
-  results: dict[int, dict] = {}
-  errors: list[BaseException] = []
-
-  def one(h: int) -> None:
-    try:
-      results[h] = restore_decision(SimCollective(world, h), layout, stores[h])
-    except BaseException as e:  # noqa: BLE001 - carried back to the caller
-      errors.append(e)
-      world.barrier.abort()
-      world.after.abort()
   tracemalloc.start()
-  threads = [threading.Thread(target=one, args=(h,)) for h in hosts]
-  for th in threads:
-    th.start()
-  for th in threads:
-    th.join()
-  peak = tracemalloc.get_traced_memory()[1]
-  tracemalloc.stop()
-  if errors:
-    raise errors[0]
+  try:
+    results = dict(zip(hosts, lockstep(n, hosts, lambda coll: restore_decision(
+        coll, layout, stores[coll.host])), strict=True))
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
   worst = max(results.values(), key=lambda r: r["cpu_s"])
   return {"n": n, "case": case, "redundancy": redundancy, "hosts_run": hosts,
           "verdict": results[hosts[0]]["verdict"],

@@ -1,20 +1,31 @@
-"""Agreeing on a restore's candidate steps from one fixed-size record a host.
+"""Agreeing on a restore's candidate steps in reductions of a few bytes a host.
 
-Each host reads and validates only its own manifests, and contributes one
-:class:`Record` per kept step: the step, its incarnation, whether it carries
-parity, and a digest of everything the hosts of one step must agree on (the
-tree, the leaves, the scalars, the ``extra``, the chunk size, the saved job
-size). Gathered (:meth:`._collective.Collective.gather_rows`: 24 bytes a
-kept step a host), every host derives the same candidates, freshest first,
-each with the hosts that hold it: what no host's manifest names stays on
-that host.
+Each host reads and validates only its own manifests (the newest incarnation
+of each step, after fencing its own superseded ones). The job then walks the
+candidate steps freshest first, each found by one maximum over the hosts:
+
+1. the newest step every host saw, the incarnation, the persistent tier's
+   newest commit every host sees, the newest incarnation any manifest names
+   (one :func:`max64`);
+2. per candidate step ``s``: the newest incarnation at ``s``, the newest
+   incarnation of any step below ``s`` (a newer one there fences ``s``: it
+   restored from before ``s`` and went on), and the next step below ``s``
+   (one :func:`max64`);
+3. the hosts holding ``s`` at that incarnation (one bitmap: a bit a host),
+   the least and greatest digest of what they must agree on (the tree, the
+   leaves, the scalars, the ``extra``, the chunk size, the saved job size)
+   and whether any holds parity (one :func:`min64`).
+
+Every host derives the same candidates from the same reductions. A host
+contributes a few dozen bytes a step and the job a bit a host; no host's
+manifest leaves it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -24,19 +35,8 @@ from ._collective import NONE, Collective
 from ._layout import spec_row
 from ._manifest import Manifest
 
-#: A record's flag: the step's stores hold parity blocks.
-PARITY = 1
-
-_EMPTY = -1  # the step of an unused record slot
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-  host: int
-  step: int
-  incarnation: int
-  flags: int
-  digest: int
+#: The least value :func:`min64` and :func:`max64` take (and "none" for max64).
+LEAST = -(1 << 60)
 
 
 def shared_content(m: Manifest) -> bytes:
@@ -48,61 +48,19 @@ def shared_content(m: Manifest) -> bytes:
 
 
 def digest_of(content: bytes) -> int:
-  return int.from_bytes(hashlib.blake2b(content, digest_size=8).digest(), "little",
-                        signed=True)
+  """A signed 60-bit digest (what :func:`min64` carries exactly)."""
+  return int.from_bytes(hashlib.blake2b(content, digest_size=8).digest(), "little") \
+      % (1 << 60) - (1 << 59)
 
 
-def local_records(host: int, manifests: Sequence[Manifest], slots: int) -> list[Record]:
-  """This host's records: its newest ``slots`` steps (one manifest each:
-  the newest incarnation's), after fencing its own superseded ones."""
-  newest: dict[int, Manifest] = {}
+def newest_per_step(manifests: Sequence[Manifest]) -> dict[int, Manifest]:
+  """This host's manifest of each step: the newest incarnation's, after
+  fencing its own superseded ones."""
+  out: dict[int, Manifest] = {}
   for m in _planner.fence(manifests):
-    if m.step not in newest or m.incarnation > newest[m.step].incarnation:
-      newest[m.step] = m
-  out = []
-  for step in sorted(newest, reverse=True)[:slots]:
-    m = newest[step]
-    out.append(Record(host, step, m.incarnation, PARITY if m.parity else 0,
-                      digest_of(shared_content(m))))
+    if m.step not in out or m.incarnation > out[m.step].incarnation:
+      out[m.step] = m
   return out
-
-
-def encode_row(records: Sequence[Record], slots: int) -> np.ndarray:
-  """``slots`` records as one row of int64 words (step, incarnation and
-  flags, digest), unused slots with step -1."""
-  row = np.full((slots, 3), 0, np.int64)
-  row[:, 0] = _EMPTY
-  for i, r in enumerate(records[:slots]):
-    row[i] = (r.step, (r.incarnation << 8) | r.flags, r.digest)
-  return row.reshape(-1)
-
-
-def decode_rows(rows: np.ndarray, slots: int) -> list[Record]:
-  """Every host's records from the gathered rows (hosts x bytes)."""
-  words = np.ascontiguousarray(rows).view(np.int64).reshape(rows.shape[0], slots, 3)
-  out = []
-  for host in range(words.shape[0]):
-    for step, inc_flags, digest in words[host].tolist():
-      if step != _EMPTY:
-        out.append(Record(host, step, inc_flags >> 8, inc_flags & 0xFF, digest))
-  return out
-
-
-def gather_records(coll: Collective, records: Sequence[Record], slots: int) -> list[Record]:
-  """Every host's records (one collective, ``24 * slots`` bytes a host)."""
-  row = encode_row(records, slots).view(np.uint8)
-  return decode_rows(coll.gather_rows(row), slots)
-
-
-def fence(records: Sequence[Record]) -> list[Record]:
-  """:func:`._planner.fence` on records: drops those a newer incarnation
-  superseded (it restored from a step at or before theirs)."""
-  newest_start: dict[int, int] = {}
-  for r in records:
-    newest_start[r.incarnation] = min(newest_start.get(r.incarnation, r.step), r.step)
-  incs = sorted(newest_start)
-  return [r for r in records
-          if not any(i > r.incarnation and newest_start[i] <= r.step for i in incs)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,27 +75,66 @@ class Candidate:
   parity: bool
 
 
-def candidates(records: Sequence[Record], *, step: int | None = None,
-               reasons: list[str] | None = None) -> list[Candidate]:
+def candidates(coll: Collective, manifests: Sequence[Manifest], *, step: int | None = None,
+               reasons: list[str] | None = None) -> Iterator[Candidate]:
   """The steps to try, freshest first (only ``step``, where given); why a
-  step is left out goes to ``reasons``. The same on every host."""
-  live = fence(records)
-  by_step: dict[int, list[Record]] = {}
-  for r in live:
-    by_step.setdefault(r.step, []).append(r)
-  out = []
-  for s in sorted(by_step, reverse=True):
-    if step is not None and s != step:
-      continue
-    inc = max(r.incarnation for r in by_step[s])
-    held = [r for r in by_step[s] if r.incarnation == inc]
-    if len({r.digest for r in held}) > 1:
+  step is passed over goes to ``reasons``. Collective: every host draws the
+  same candidates, and must draw as many (stop at the same one)."""
+  mine = newest_per_step(manifests)
+  steps = sorted(mine, reverse=True)
+
+  def below(s: int | None) -> int:
+    return max((t for t in steps if s is None or t < s), default=LEAST)
+  if step is None:
+    first = below(None)
+  else:
+    first = step if step in mine else LEAST
+  (s,) = max64(coll, [first])
+  if step is not None and s != step:
+    return
+  while s != LEAST:
+    lower = [t for t in steps if t < s]
+    inc_s, inc_below, next_s = max64(coll, [
+        mine[s].incarnation if s in mine else LEAST,
+        max((mine[t].incarnation for t in lower), default=LEAST),
+        below(s) if step is None else LEAST])
+    if inc_below > inc_s:
       if reasons is not None:
-        reasons.append(f"step {s}: hosts disagree on the leaves, scalars or extra")
-      continue
-    out.append(Candidate(s, inc, held[0].digest, tuple(sorted(r.host for r in held)),
-                         any(r.flags & PARITY for r in held)))
-  return out
+        reasons.append(f"step {s}: superseded by incarnation {inc_below}, which restored "
+                       "an earlier step")
+    else:
+      holds = s in mine and mine[s].incarnation == inc_s
+      bits = np.zeros(-(-coll.num_hosts // 8), np.uint8)
+      if holds:
+        bits[coll.host // 8] = 1 << (coll.host % 8)
+      holders = _hosts(coll.reduce_or(bits), coll.num_hosts)
+      digest = digest_of(shared_content(mine[s])) if holds else None
+      parity = bool(holds and mine[s].parity)
+      lo, neg_hi, neg_parity = min64(coll, [
+          digest if digest is not None else -LEAST - 1,
+          -digest if digest is not None else -LEAST - 1, -int(parity)])
+      if lo != -neg_hi:
+        if reasons is not None:
+          reasons.append(f"step {s}: hosts disagree on the leaves, scalars or extra")
+      else:
+        yield Candidate(s, inc_s, lo, holders, neg_parity < 0)
+    s = next_s
+
+
+def _hosts(bits: np.ndarray, n: int) -> tuple[int, ...]:
+  return tuple(int(h) for h in np.flatnonzero(np.unpackbits(bits, bitorder="little")[:n]))
+
+
+def branch(coll: Collective, manifests: Sequence[Manifest], restored: int,
+           incarnation: int) -> int:
+  """The incarnation saves continue as after restoring step ``restored``: a
+  new one (one more than any manifest names) where this incarnation already
+  saved a later step (a new branch, which fences the abandoned steps); else
+  ``incarnation``. Collective (one :func:`max64`)."""
+  later = any(m.incarnation == incarnation and m.step > restored for m in manifests)
+  top = max((m.incarnation for m in manifests), default=LEAST)
+  (flag, top) = max64(coll, [int(later), top])
+  return top + 1 if flag else incarnation
 
 
 def min64(coll: Collective, values: Sequence[int]) -> tuple[int, ...]:
@@ -152,4 +149,5 @@ def min64(coll: Collective, values: Sequence[int]) -> tuple[int, ...]:
 
 
 def max64(coll: Collective, values: Sequence[int]) -> tuple[int, ...]:
+  """The maximum over hosts of each of ``values`` (ints in (-2**60, 2**60])."""
   return tuple(-v for v in min64(coll, [-int(v) for v in values]))

@@ -1,24 +1,24 @@
 """The few collectives a multi-host restore agrees with, sized by what they carry.
 
-A restore's metadata travels in four shapes, each sized by what it carries,
-never by the job's host count times a host's inventory:
+A restore's metadata travels in four shapes, none of them a host's
+inventory times the host count:
 
-* :meth:`Collective.gather_rows`: one fixed-size row from every host (the
-  agreement records of :mod:`._agree`: a few dozen bytes a host);
-* :meth:`Collective.gather_blobs`: every host's variable-length blob, laid
-  end to end (a host's needs, a keeper's checksum rows): the buffer is the
-  sum of the blobs, not the host count times the largest;
-* :meth:`Collective.reduce_min`: an element-wise minimum of one int64 vector
-  (who holds each needed piece);
+* :meth:`Collective.reduce_or`: a bitmap, a bit a host (who holds a step);
+* :meth:`Collective.sum_bytes`: byte buffers whose non-zero bytes each come
+  from one host, summed: :func:`gather_blobs` lays every sender's blob end
+  to end with it, so its buffer is the sum of the blobs, not the host count
+  times the largest;
+* :meth:`Collective.reduce_min`: an element-wise minimum of an int32 vector
+  (:func:`._agree.max64` builds 64-bit maxima of it; who holds each needed
+  piece);
 * :meth:`Collective.permute`: one buffer from each sending host to its one
   receiver (a piece moves point to point; no other host sees it).
 
 :class:`JaxCollective` runs them as jitted XLA collectives over the job's
 devices in their agreed order (:func:`._group.devices`): JAX stays the data
-plane. A benchmark stands in a
-simulated one (``benchmarks/scale.py``) to run one host's view of a job of
-thousands through the same code. Every method is collective: all processes
-call it in the same order with the same shapes.
+plane. A benchmark stands in a simulated one (``benchmarks/scale.py``) to run
+one host's view of a job of thousands through the same code. Every method is
+collective: all processes call it in the same order with the same shapes.
 """
 
 from __future__ import annotations
@@ -60,12 +60,14 @@ class Collective(Protocol):
   host: int
   traffic: Traffic
 
-  def gather_rows(self, row: np.ndarray) -> np.ndarray:
-    """Every host's ``row`` (1-d uint8, one length everywhere), as rows of
-    a (hosts, len) array in process order."""
+  def reduce_or(self, bits: np.ndarray) -> np.ndarray:
+    """The bitwise OR over hosts of ``bits`` (uint8, one length everywhere;
+    each host sets only its own bit, host ``h`` at bit ``h % 8`` of byte
+    ``h // 8``)."""
 
-  def gather_blobs(self, blob: bytes) -> list[bytes]:
-    """Every host's ``blob``, in process order."""
+  def sum_bytes(self, buf: np.ndarray) -> np.ndarray:
+    """The sum over hosts of ``buf`` (uint8, one length everywhere), where
+    each byte is non-zero on one host at most: that byte, exact."""
 
   def reduce_min(self, values: np.ndarray) -> np.ndarray:
     """The element-wise minimum over hosts of ``values`` (1-d int32, one
@@ -77,6 +79,36 @@ class Collective(Protocol):
     host sends at most one and receives at most one. ``payload``: this
     host's outgoing bytes (at most ``width``; None if it sends nothing).
     Returns the bytes received (``width`` of them), or None."""
+
+
+def gather_blobs(coll: Collective, blob: bytes) -> list[bytes]:
+  """Every host's ``blob``, in process order: who sends (a bitmap), the
+  senders' lengths, then their bytes end to end (three collectives; one
+  where no host sends)."""
+  n = coll.num_hosts
+  bits = np.zeros(-(-n // 8), np.uint8)
+  if blob:
+    bits[coll.host // 8] = 1 << (coll.host % 8)
+  # (disjoint bits: their sum is their OR)
+  senders = [int(h) for h in np.flatnonzero(
+      np.unpackbits(coll.sum_bytes(bits), bitorder="little")[:n])]
+  out = [b""] * n
+  if not senders:
+    return out
+  rank = {h: i for i, h in enumerate(senders)}
+  lengths = np.zeros(len(senders), np.int64)
+  if blob:
+    lengths[rank[coll.host]] = len(blob)
+  lengths = coll.sum_bytes(lengths.view(np.uint8)).view(np.int64)
+  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+  mine = np.zeros(int(lengths.sum()), np.uint8)
+  if blob:
+    at = int(starts[rank[coll.host]])
+    mine[at:at + len(blob)] = np.frombuffer(blob, np.uint8)
+  every = coll.sum_bytes(mine)
+  for h, s, k in zip(senders, starts.tolist(), lengths.tolist(), strict=True):
+    out[h] = every[s:s + k].tobytes()
+  return out
 
 
 def bucket(n: int) -> int:
@@ -116,31 +148,19 @@ class JaxCollective:
     out = fn(mesh)(g)
     return np.asarray(out.addressable_shards[0].data).reshape(-1)
 
-  def gather_rows(self, row: np.ndarray) -> np.ndarray:
-    row = np.ascontiguousarray(row).reshape(-1).view(np.uint8)
-    n = row.size
-    width = bucket(self.num_hosts * n)
-    mine = np.zeros(width, np.uint8)
-    mine[self.host * n:(self.host + 1) * n] = row
-    every = self._run(_sum_fn, mine, 0)  # rows are disjoint: the sum is each row
-    self.traffic.add(width, width)
-    return every[:self.num_hosts * n].reshape(self.num_hosts, n)
+  def reduce_or(self, bits: np.ndarray) -> np.ndarray:
+    return self.sum_bytes(bits)  # (each host sets only its own bit: no carries)
 
-  def gather_blobs(self, blob: bytes) -> list[bytes]:
-    lengths = self.gather_rows(np.array([len(blob)], np.int64).view(np.uint8))
-    lengths = lengths.copy().view(np.int64).reshape(-1)
-    total = int(lengths.sum())
-    if not total:
-      return [b""] * self.num_hosts
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    width = bucket(total)
+  def sum_bytes(self, buf: np.ndarray) -> np.ndarray:
+    buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    if not buf.size:
+      return buf.copy()
+    width = bucket(buf.size)
     mine = np.zeros(width, np.uint8)
-    at = int(starts[self.host])
-    mine[at:at + len(blob)] = np.frombuffer(blob, np.uint8)
-    every = self._run(_sum_fn, mine, 0)  # each byte non-zero on one host at most
+    mine[:buf.size] = buf
+    every = self._run(_sum_fn, mine, 0)
     self.traffic.add(width, width)
-    return [every[int(s):int(s) + int(n)].tobytes()
-            for s, n in zip(starts, lengths, strict=True)]
+    return every[:buf.size].copy()
 
   def reduce_min(self, values: np.ndarray) -> np.ndarray:
     values = np.ascontiguousarray(values, np.int32).reshape(-1)

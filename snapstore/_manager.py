@@ -337,8 +337,7 @@ class SnapshotManager:
     must be exchanged instead."""
     with _switch.collections_paused(self.options.pause_gc):
       got = peers.restore(self.backend, self._arenas, local, target_specs, targets,
-                                step=step, slots=max(self.options.keep, 1), values=values,
-                                persistent_steps=persistent_steps)
+                          step=step, values=values, persistent_steps=persistent_steps)
     self.incarnation = got.incarnation
     timings.update(got.timings)
     timings["scan"] = timings["scan_persistent"] + timings["scan_exchange"]
@@ -361,7 +360,11 @@ class SnapshotManager:
       notes.extend(got.reasons[:1])  # why the freshest snapshot step was not usable
       result = self._restore_persistent(step, persistent_steps, target_specs, targets,
                                         treedef, got.newest, notes, timings, t0, "sparse")
-    self._branch_from(result.step, got.records)
+    new = peers.branch(local, result.step, self.incarnation)
+    if new != self.incarnation:
+      logger.info("restored step %d: saves continue as incarnation %d (a new branch)",
+                  result.step, new)
+      self.incarnation = new
     return result
 
   def _branch_from(self, step: int, manifests: Sequence[Any]) -> None:

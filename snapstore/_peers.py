@@ -113,13 +113,12 @@ class Sparse:
   """What :meth:`Distributed.restore` found: the step restored (``plan``,
   ``leaves``), or nothing in RAM (``plan`` None), or that the full
   inventory exchange must decide (``fallback``: why); and, agreed by every
-  host, the newest step any saw, the incarnation, the persistent tier's
-  newest commit every host sees, and the records (for the branch check)."""
+  host, the newest step any saw, the incarnation, and the persistent
+  tier's newest commit every host sees."""
 
   newest: int
   incarnation: int
   persistent_latest: int
-  records: list[_agree.Record]
   plan: StepPlan | None = None
   leaves: list[Any] | None = None
   fallback: str | None = None
@@ -140,67 +139,85 @@ class Distributed:
 
   def restore(self, source: Any, arenas: ArenaCache | None, local: Sequence[Manifest],
               target_specs: Sequence[LeafSpec], targets: Sequence[Any], *,
-              step: int | None, slots: int, values: tuple[int, int, int],
+              step: int | None, values: tuple[int, int, int],
               persistent_steps: Sequence[int]) -> Sparse:
     """A restore whose metadata is each host's own (:mod:`._agree`,
-    :mod:`._sparse`): records gathered, the agreed maxima of ``values``
-    (newest step, incarnation, minus the persistent tier's newest commit),
-    then, candidate by candidate, needs, holders and point-to-point moves.
+    :mod:`._sparse`): the agreed maxima of ``values`` (newest step,
+    incarnation, minus the persistent tier's newest commit), then,
+    candidate by candidate, needs, holders and point-to-point moves.
     Collective."""
     coll = self.collective
     t = time.perf_counter()
-    records = _agree.gather_records(coll, _agree.local_records(self.host, local, slots), slots)
     newest, incarnation, neg_latest = _agree.max64(coll, values)
-    out = Sparse(newest, incarnation, -neg_latest, records)
-    out.timings["scan_exchange"] = time.perf_counter() - t
-    cands = _agree.candidates(records, step=step, reasons=out.reasons)
+    out = Sparse(newest, incarnation, -neg_latest)
     latest = max([s for s in persistent_steps if s <= -neg_latest], default=-1)
     bad: set[CopyKey] = set()
-    at = 0
-    while at < len(cands) and cands[at].step >= latest:
-      cand = cands[at]
-      t = time.perf_counter()
+    scan = time.perf_counter() - t
+    for cand in _agree.candidates(coll, local, step=step, reasons=out.reasons):
+      out.timings["scan_exchange"] = scan + time.perf_counter() - t
+      if cand.step < latest:
+        break
       mine = _sparse.manifests_at(local, cand)
-      got = _sparse.plan(coll, mine, cand, target_specs, targets, bad=bad)
-      out.timings["plan"] = out.timings.get("plan", 0.0) + time.perf_counter() - t
-      if isinstance(got, _sparse.Fallback):
-        out.fallback = got.why
-        return out
-      if isinstance(got, _sparse.Lost):
-        out.reasons.append(got.why)
-        at += 1
-        continue
-      check_compatible(got.header.leaves, target_specs, step=cand.step)
-      t = time.perf_counter()
-      plan = _sparse.local_plan(got, mine, self.host, bad)
-      assembler = Assembler(plan, source, arenas=arenas)
-      by_path = {s.path: i for i, s in enumerate(plan.specs)}
-      reads = [k for spec, target in zip(target_specs, targets, strict=True)
-               for k in assembler.local_pieces(by_path[spec.path], spec, target)
-               if any(c.store == self.host for c in plan.copies.get(k, ()))]
-      reads += _sparse.outgoing_keys(got, target_specs)
-      _read(assembler, reads)
-      out.timings["read_verify"] = time.perf_counter() - t
-      t = time.perf_counter()
-      _faults.point("restore", cand.step)
-      received = _sparse.move(coll, got, assembler, target_specs)
-      found = _sparse.gather_bad(coll, assembler.bad)
-      out.timings["read_agree"] = time.perf_counter() - t
-      if found:
+      while True:
+        t = time.perf_counter()
+        got = _sparse.plan(coll, mine, cand, target_specs, targets, bad=bad)
+        out.timings["plan"] = out.timings.get("plan", 0.0) + time.perf_counter() - t
+        if isinstance(got, _sparse.Fallback):
+          out.fallback = got.why
+          return out
+        if isinstance(got, _sparse.Lost):
+          out.reasons.append(got.why)
+          break
+        found = self._assemble_sparse(got, mine, source, arenas, target_specs, targets, bad, out)
+        if not found:
+          return out
         for k in found:
           out.notes.append(f"step {cand.step}: checksum mismatch in "
-                           f"{what_copy(k, plan.specs[k[2]].path)} held by host {k[0]}; "
-                           "using another copy or an older step")
-        bad.update(found)
-        continue  # the same step again, without the bad copies
+                           f"{what_copy(k, got.header.leaves[k[2]].path)} held by host "
+                           f"{k[0]}; using another copy or an older step")
+        bad.update(found)  # the same step again, without the bad copies
       t = time.perf_counter()
-      out.leaves = assembler.tree(target_specs, targets)
-      out.timings["read_place"] = time.perf_counter() - t
-      sent, _ = _sparse.bytes_moved(got, self.host)
-      out.plan = plan
-      out.read = {"snapshot": assembler.bytes_read, "received": received, "sent": sent}
-      return out
+    out.timings.setdefault("scan_exchange", scan + time.perf_counter() - t)
     return out
+
+  def _assemble_sparse(self, got: _sparse.Planned, mine: Manifest | None, source: Any,
+                       arenas: ArenaCache | None, target_specs: Sequence[LeafSpec],
+                       targets: Sequence[Any], bad: set[CopyKey], out: Sparse
+                       ) -> list[CopyKey]:
+    """Reads, moves and checks ``got``'s pieces and builds the leaves into
+    ``out``; or returns the bad copies every host found (then nothing is
+    built)."""
+    coll = self.collective
+    check_compatible(got.header.leaves, target_specs, step=got.candidate.step)
+    t = time.perf_counter()
+    plan = _sparse.local_plan(got, mine, self.host, bad)
+    assembler = Assembler(plan, source, arenas=arenas)
+    by_path = {s.path: i for i, s in enumerate(plan.specs)}
+    reads = [k for spec, target in zip(target_specs, targets, strict=True)
+             for k in assembler.local_pieces(by_path[spec.path], spec, target)
+             if any(c.store == self.host for c in plan.copies.get(k, ()))]
+    reads += _sparse.outgoing_keys(got, target_specs)
+    _read(assembler, reads)
+    out.timings["read_verify"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _faults.point("restore", got.candidate.step)
+    received = _sparse.move(coll, got, assembler, target_specs)
+    found = _sparse.gather_bad(coll, assembler.bad)
+    out.timings["read_agree"] = time.perf_counter() - t
+    if found:
+      return found
+    t = time.perf_counter()
+    out.leaves = assembler.tree(target_specs, targets)
+    out.timings["read_place"] = time.perf_counter() - t
+    sent, _ = _sparse.bytes_moved(got, self.host)
+    out.plan = plan
+    out.read = {"snapshot": assembler.bytes_read, "received": received, "sent": sent}
+    return []
+
+  def branch(self, local: Sequence[Manifest], restored: int, incarnation: int) -> int:
+    """The incarnation saves continue as after restoring ``restored``
+    (:func:`._agree.branch`). Collective."""
+    return _agree.branch(self.collective, local, restored, incarnation)
 
   def gather_manifests(self, local: Sequence[Manifest], values: Sequence[int] = ()
                        ) -> tuple[list[Manifest], tuple[int, ...]]:

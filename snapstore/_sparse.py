@@ -39,7 +39,7 @@ import numpy as np
 from ._agree import Candidate, digest_of, shared_content
 from ._assemble import Assembler, BadCopy, _wanted
 from ._checksum import ChecksumKind, crc_matches, piece_key
-from ._collective import NONE, Collective
+from ._collective import NONE, Collective, gather_blobs
 from ._index import Index, full
 from ._layout import LeafKind, LeafSpec, spec_from_row, target_sharding
 from ._manifest import Manifest, PieceRecord, PieceTable
@@ -301,7 +301,7 @@ def plan(coll: Collective, manifest: Manifest | None, cand: Candidate,
   host, n = coll.host, coll.num_hosts
   held = Held(host, manifest, bad)
   mine = local_needs(held, target_specs, targets)
-  needs, lacking = decode_needs(coll.gather_blobs(encode_needs(manifest is None, mine)))
+  needs, lacking = decode_needs(gather_blobs(coll, encode_needs(manifest is None, mine)))
   if not needs and not lacking and manifest is not None:
     return Planned(cand, Header.of(manifest), (), (), (), (), ())
   mins = coll.reduce_min(holder_values(held, needs, target_specs, n))
@@ -311,7 +311,7 @@ def plan(coll: Collective, manifest: Manifest | None, cand: Candidate,
   holders = got
   send_header = bool(lacking) and manifest is not None and host == cand.holders[0]
   head = shared_content(manifest) if send_header and manifest is not None else None
-  rows, header_blob = decode_rows(coll.gather_blobs(encode_rows(
+  rows, header_blob = decode_rows(gather_blobs(coll, encode_rows(
       held, needs, holders, target_specs, head)))
   header = Header.of(manifest) if manifest is not None else header_from(header_blob or b"",
                                                                         cand.digest)
@@ -392,7 +392,7 @@ def encode_bad(bad: Iterable[CopyKey]) -> bytes:
 def gather_bad(coll: Collective, bad: Iterable[CopyKey]) -> list[CopyKey]:
   """Every host's bad copies (one small exchange; nothing sent where none is)."""
   out: list[CopyKey] = []
-  for blob in coll.gather_blobs(encode_bad(bad)):
+  for blob in gather_blobs(coll, encode_bad(bad)):
     for h, s, lf, idx in (msgpack.unpackb(blob) if blob else ()):
       out.append((int(h), int(s), int(lf), tuple((int(a), int(b)) for a, b in idx)))
   return sorted(set(out))

@@ -1,67 +1,88 @@
 """The sparse restore's agreement, needs and rounds, on one process (the real
 collectives run in tests/test_multihost.py; the scale in benchmarks.scale)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from snapstore import _agree, _sparse
-from snapstore._collective import NONE, bucket
+from snapstore._collective import NONE, bucket, gather_blobs
 
 
-def test_records_round_trip_and_the_freshest_agreed_step_wins():
-  recs = [_agree.Record(h, s, 3, 0, 77) for h in range(3) for s in (10, 11)]
-  recs = [r for r in recs if not (r.host == 2 and r.step == 11)]  # host 2 lost step 11
-  rows = np.stack([_agree.encode_row([r for r in recs if r.host == h], 2).view(np.uint8)
-                   for h in range(3)])
-  back = _agree.decode_rows(rows, 2)
-  assert sorted(back, key=lambda r: (r.host, r.step)) == sorted(
-      recs, key=lambda r: (r.host, r.step))
-  cands = _agree.candidates(back)
-  assert [(c.step, c.holders) for c in cands] == [(11, (0, 1)), (10, (0, 1, 2))]
-  assert [c.step for c in _agree.candidates(back, step=10)] == [10]
+def _hosts(n, fn):
+  from benchmarks.scale import lockstep
+  return lockstep(n, list(range(n)), fn)
 
 
-def test_a_step_whose_hosts_disagree_is_skipped_with_the_reason():
-  recs = [_agree.Record(0, 5, 0, 0, 1), _agree.Record(1, 5, 0, 0, 2),
-          _agree.Record(0, 4, 0, 0, 9), _agree.Record(1, 4, 0, 0, 9)]
-  reasons = []
-  assert [c.step for c in _agree.candidates(recs, reasons=reasons)] == [4]
+@pytest.fixture(scope="module")
+def manifest():
+  from benchmarks.scale import Layout
+  return Layout(2).manifest(0, 1, 0, parity=False)
+
+
+def _m(base, host, step, inc=0, **kw):
+  return dataclasses.replace(base, host=host, step=step, incarnation=inc, **kw)
+
+
+def _cands(n, stores, **kw):
+  def one(coll):
+    reasons = []
+    got = [(c.step, c.incarnation, c.holders) for c in
+           _agree.candidates(coll, stores[coll.host], reasons=reasons, **kw)]
+    return got, reasons
+  out = _hosts(n, one)
+  assert all(o == out[0] for o in out)  # every host draws the same
+  return out[0]
+
+
+def test_the_freshest_step_first_with_the_hosts_that_hold_it(manifest):
+  stores = [[_m(manifest, h, s) for s in (10, 11) if not (h == 2 and s == 11)]
+            for h in range(3)]
+  got, reasons = _cands(3, stores)
+  assert got == [(11, 0, (0, 1)), (10, 0, (0, 1, 2))] and reasons == []
+  assert _cands(3, stores, step=10)[0] == [(10, 0, (0, 1, 2))]
+  assert _cands(3, stores, step=12)[0] == []
+
+
+def test_a_step_whose_hosts_disagree_is_skipped_with_the_reason(manifest):
+  stores = [[_m(manifest, h, 4), _m(manifest, h, 5, extra={"host": h})] for h in range(2)]
+  got, reasons = _cands(2, stores)
+  assert [g[0] for g in got] == [4]
   assert reasons == ["step 5: hosts disagree on the leaves, scalars or extra"]
 
 
-def test_records_of_a_superseded_incarnation_are_fenced():
-  # incarnation 1 restored step 5 and went on: incarnation 0's step 6 is abandoned
-  recs = [_agree.Record(0, 6, 0, 0, 1), _agree.Record(0, 5, 1, 0, 2),
-          _agree.Record(1, 6, 0, 0, 1), _agree.Record(1, 5, 1, 0, 2)]
-  assert [(c.step, c.incarnation) for c in _agree.candidates(recs)] == [(5, 1)]
+def test_a_step_a_newer_incarnation_abandoned_is_fenced(manifest):
+  # incarnation 1 restored step 5 and went on (host 0); host 1 still holds
+  # incarnation 0's steps 4 and 6: 6 is abandoned, 4 is not
+  stores = [[_m(manifest, 0, 5, 1), _m(manifest, 0, 7, 1)],
+            [_m(manifest, 1, 4, 0), _m(manifest, 1, 6, 0)]]
+  got, reasons = _cands(2, stores)
+  assert got == [(7, 1, (0,)), (5, 1, (0,)), (4, 0, (1,))]
+  assert any("step 6: superseded by incarnation 1" in r for r in reasons), reasons
+
+
+def test_restoring_before_this_incarnation_s_newest_step_starts_a_new_one(manifest):
+  stores = [[_m(manifest, h, s, 2) for s in (5, 6)] for h in range(2)]
+  assert _hosts(2, lambda c: _agree.branch(c, stores[c.host], 5, 2)) == [3, 3]
+  assert _hosts(2, lambda c: _agree.branch(c, stores[c.host], 6, 2)) == [2, 2]
 
 
 @pytest.mark.parametrize("values", [(0, 1, -1), (2**48, 7, -(2**48)), (-5, 3, 2**31 + 5)])
 def test_min64_and_max64_are_exact_over_int32_reductions(values):
   other = (3, 2**40, -(2**47))
+  pick = lambda c: values if c.host == 0 else other  # noqa: E731
+  lo = tuple(min(a, b) for a, b in zip(values, other, strict=True))
+  hi = tuple(max(a, b) for a, b in zip(values, other, strict=True))
+  assert _hosts(2, lambda c: _agree.min64(c, pick(c))) == [lo, lo]
+  assert _hosts(2, lambda c: _agree.max64(c, pick(c))) == [hi, hi]
 
-  class Two:
-    def __init__(self):
-      self.parts = []
 
-    def reduce_min(self, mine):
-      # what the other host puts in at the same call, computed as it would
-      u = [int(v) + (1 << 60) for v in (self.sign * np.array(other, dtype=object))]
-      if not self.parts:
-        theirs = np.array([x >> 31 for x in u], np.int32)
-      else:
-        hi = self.parts[0]
-        theirs = np.array([x & ((1 << 31) - 1) if (x >> 31) == int(h) else NONE
-                           for x, h in zip(u, hi, strict=True)], np.int32)
-      out = np.minimum(mine, theirs)
-      self.parts.append(out)
-      return out
-  c = Two()
-  c.sign = 1
-  assert _agree.min64(c, values) == tuple(min(a, b) for a, b in zip(values, other, strict=True))
-  c = Two()
-  c.sign = -1
-  assert _agree.max64(c, values) == tuple(max(a, b) for a, b in zip(values, other, strict=True))
+def test_gather_blobs_lays_the_senders_blobs_end_to_end():
+  blobs = [b"", b"ab", b"", b"\x00\x01\x02" * 50, b"z"]
+  got = _hosts(5, lambda c: gather_blobs(c, blobs[c.host]))
+  assert got == [blobs] * 5
+  assert _hosts(3, lambda c: gather_blobs(c, b"")) == [[b""] * 3] * 3
 
 
 def _planned(needs, holder, nbytes):
