@@ -4,7 +4,8 @@ Every collective snapstore runs (manifest exchange, replica transfer, restore
 exchange) builds its mesh from :func:`devices`. By default that is every
 device sorted by (process, id). After an in-place recovery
 (:mod:`snapstore.recovery`) it is a new order that all processes derive from
-the same (device, process incarnation) pairs: gloo keys its communicators
+the same (device, process incarnation) pairs, on CPU only
+(:func:`rekey_needed`; GPU and TPU keep JAX's order): gloo keys its communicators
 (and their rendezvous keys in the coordination service) by the ordered list
 of a collective's devices only, so a process that rejoined with the same id
 would otherwise meet the dead process's communicator and fail forever, and
@@ -44,6 +45,15 @@ def set_devices(order: Sequence[jax.Device] | None) -> None:
   """Sets the agreed order (None: back to the default)."""
   global _order
   _order = None if order is None else tuple(order)
+
+
+def rekey_needed(platform: str) -> bool:
+  """True where a membership change needs a new device order: CPU, whose
+  gloo communicators are keyed by the ordered device list alone. NCCL's are
+  keyed by the processes' incarnations (JAX's fault-tolerance doc), and a
+  drawn order would scatter a topology-aware mesh and cap the heals a job
+  can take, so GPU and TPU keep JAX's order."""
+  return platform == "cpu"
 
 
 def cliques(order: Sequence[int], max_dims: int = 3) -> set[tuple[int, ...]]:

@@ -375,7 +375,8 @@ class InPlace:
       self._order_name = fresh[0]
       return [by_id[i] for i in docs[fresh[0]]["order"]]
     order = _group.devices()
-    if docs:  # a draw every process makes alike, from the same orders
+    if docs and _group.rekey_needed(self._all[0].platform):
+      # a draw every process makes alike, from the same orders
       stale = set().union(*(_group.cliques(d["order"]) for d in docs.values()))
       fresh_order = _group.rekeyed(incarnations, stale, {d.id for d in self._all})
       if fresh_order is None:

@@ -52,6 +52,12 @@ def test_two_heals_in_a_row_find_an_order_for_any_incarnations():
       used |= groups
 
 
+def test_only_cpu_draws_new_device_orders():
+  from snapstore import _group
+  assert _group.rekey_needed("cpu")
+  assert not _group.rekey_needed("gpu") and not _group.rekey_needed("tpu")
+
+
 def test_no_order_left_is_none():
   devices = [Dev(0), Dev(1)]
   used = {(0, 1), (1, 0)}
