@@ -17,7 +17,9 @@ The model (documented, deliberately simple):
   completed since the newest usable save — averaged exactly over the failure
   time within a period;
 * recovery = detection + restart + restore (state bytes per host over the
-  tier's read bandwidth) + rewind x step time;
+  tier's read bandwidth; for snapstore, plus its restore decision's CPU
+  seconds at the preset's host count, one host lost, measured in the same
+  run by ``benchmarks.scale``) + rewind x step time;
 * overhead: the time each blocking save stops the step (device -> host copy
   of the host's state over PCIe), spread over its interval; snapstore's copy
   overlaps the step and costs ``snapshot_interference`` x its copy time;
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -65,6 +68,9 @@ class Scenario:
   # machine, where the copy competes with XLA for the same cores,
   # benchmarks.capture measures ~1.75.
   snapshot_interference: float = 0.25
+  # snapstore's restore decision and plan, seconds a host; None: measured
+  # at ``hosts`` by benchmarks.scale (one host lost, replicas=1, 500 leaves)
+  restore_metadata_s: float | None = None
   notes: str = ""
 
 
@@ -168,9 +174,22 @@ def evaluate(sc: Scenario) -> list[Outcome]:
                     mean_rewind(sc.ckpt_interval, gcs_commit, sc.step_s))
   snap_ovh = sc.snapshot_interference * d2h / (sc.snapshot_interval * sc.step_s)
   out.append(outcome("snapstore", snap_rewind,
-                     sc.state_bytes_per_host / min(sc.host_net_bps, sc.host_device_bps),
-                     gcs_ovh + snap_ovh))
+                     sc.state_bytes_per_host / min(sc.host_net_bps, sc.host_device_bps)
+                     + metadata_s(sc), gcs_ovh + snap_ovh))
   return out
+
+
+def metadata_s(sc: Scenario) -> float:
+  """snapstore's restore metadata seconds a host in ``sc``."""
+  if sc.restore_metadata_s is not None:
+    return sc.restore_metadata_s
+  return _measured_metadata_s(sc.hosts)
+
+
+@functools.lru_cache(maxsize=16)
+def _measured_metadata_s(hosts: int) -> float:
+  from benchmarks.scale import run_case
+  return float(run_case(max(hosts, 4), "one", "replicas")["cpu_s_max"])
 
 
 def best_snapshot_interval(sc: Scenario, candidates: Sequence[int] = (1, 2, 5, 10, 20)
@@ -196,6 +215,7 @@ def _table(sc_name: str, sc: Scenario) -> dict[str, Any]:
   at_yd = evaluate(dataclasses.replace(sc, snapshot_interval=yd))[-1]
   return {"preset": sc_name, "scenario": dataclasses.asdict(sc),
           "strategies": [dataclasses.asdict(o) for o in evaluate(sc)],
+          "snapstore_restore_metadata_s": metadata_s(sc),
           "best_snapshot_interval": {"interval": k, **dataclasses.asdict(best)},
           "auto_interval": {"interval": yd, **dataclasses.asdict(at_yd)}}
 

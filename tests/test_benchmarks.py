@@ -133,6 +133,8 @@ def test_goodput_presets_and_curves(tmp_path):
       assert 0 < s["goodput"] <= 1
     # Per-step snapshots rewind less than checkpoints every 100 steps.
     assert by["snapstore"]["rewind_steps"] < by["gcs-only"]["rewind_steps"]
+    # the restore decision, measured at the preset's host count, is in its recovery
+    assert 0 < preset["snapstore_restore_metadata_s"] < by["snapstore"]["recovery_s"]
   assert len(result["curves"]) == 2 * len(goodput.PRESETS)
   assert all((tmp_path / "curves" / p.split("/")[-1]).stat().st_size > 0
              for p in result["curves"])
