@@ -113,7 +113,14 @@ class Layout:
     from snapstore._checksum import ChecksumKind
     from snapstore._index import align
     from snapstore._layout import tree_digest
-    from snapstore._manifest import PARITY_LEAF, Manifest, piece_row, split_parity
+    from snapstore._manifest import (
+      PARITY_LEAF,
+      Manifest,
+      member_length,
+      pad4_sum,
+      piece_row,
+      split_parity,
+    )
     rows, off, crc = [], 0, ChecksumKind.CRC32C
     def add(leaf: int, index: Any, owner: int) -> None:
       nonlocal off
@@ -127,14 +134,20 @@ class Layout:
         add(leaf, self.index(leaf, d), host)
     prev = (host - 1) % self.n
     parity_of = {}
-    if parity:
+    if parity:  # k=3: groups of 4 hosts; a stripe a local device position
       g = host // 4 * 4
       members = tuple(range(g, g + 4))
+      sharded = [leaf for leaf in self.arrays() if self.axes[leaf] is not None]
       for j in range(LOCAL):
+        layout = tuple(tuple((leaf, self.index(leaf, LOCAL * m + j)) for leaf in sharded)
+                       for m in members)
+        used = pad4_sum([math.prod(b - a for a, b in idx) * 4 for _, idx in layout[0]])
+        length = member_length(used, 3)
         key = (LOCAL * g + j, host - g)
-        rows.append(piece_row(PARITY_LEAF, (key,), off, 4096, (0,), host, crc))
-        off += 4096
-        parity_of[key] = (members, tuple(() for _ in members), 3 * 4096)
+        rows.append(piece_row(PARITY_LEAF, (key,), off, length // 3,
+                              (0,) * max(1, -(-(length // 3) // CHUNK)), host, crc))
+        off += align(length // 3)
+        parity_of[key] = (members, layout, length)
     else:
       for leaf in self.arrays():
         if self.axes[leaf] is not None:
@@ -297,7 +310,7 @@ def lockstep(n: int, hosts: Sequence[int], fn: Any) -> list[Any]:
 def restore_decision(coll: SimCollective, layout: Layout, manifests: list[Any]) -> dict:
   """What :meth:`snapstore._peers.Distributed.restore` runs before it reads
   a store: records, maxima, candidates, then the plan of each candidate."""
-  from snapstore import _agree, _sparse
+  from snapstore import _agree, _moves, _sparse
   from snapstore._switch import collections_paused
   t = time.thread_time()
   with collections_paused(True):
@@ -312,9 +325,9 @@ def restore_decision(coll: SimCollective, layout: Layout, manifests: list[Any]) 
       if isinstance(got, _sparse.Fallback):
         out = {"verdict": "fallback", "why": got.why}
         break
-      sent, received = _sparse.bytes_moved(got, coll.host)
+      sent, received = _moves.bytes_moved(got, coll.host)
       out = {"verdict": "snapshot", "step": cand.step, "state_sent": sent,
-             "state_received": received, "rounds": len(_sparse.rounds(got))}
+             "state_received": received, "rounds": len(_moves.rounds(got))}
       break
   out["cpu_s"] = time.thread_time() - t
   out["payload_sent"], out["payload_received"] = coll.traffic.sent, coll.traffic.received

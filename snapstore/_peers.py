@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _agree, _exchange, _faults, _group, _parity, _sparse
+from . import _agree, _exchange, _faults, _group, _moves, _parity, _sparse
 from ._arena import ArenaCache
 from ._assemble import Assembler, BadCopy, what_copy
 from ._collective import Collective, JaxCollective
@@ -190,28 +190,30 @@ class Distributed:
     coll = self.collective
     check_compatible(got.header.leaves, target_specs, step=got.candidate.step)
     t = time.perf_counter()
-    plan = _sparse.local_plan(got, mine, self.host, bad)
+    plan = _moves.local_plan(got, mine, self.host, bad)
     assembler = Assembler(plan, source, arenas=arenas)
     by_path = {s.path: i for i, s in enumerate(plan.specs)}
     reads = [k for spec, target in zip(target_specs, targets, strict=True)
              for k in assembler.local_pieces(by_path[spec.path], spec, target)
              if any(c.store == self.host for c in plan.copies.get(k, ()))]
-    reads += _sparse.outgoing_keys(got, target_specs)
+    reads += _moves.reads(got, target_specs, self.host)
     _read(assembler, reads)
     out.timings["read_verify"] = time.perf_counter() - t
     t = time.perf_counter()
     _faults.point("restore", got.candidate.step)
-    received = _sparse.move(coll, got, assembler, target_specs)
-    found = _sparse.gather_bad(coll, assembler.bad)
+    received = _moves.move(coll, got, assembler, target_specs, mine)
+    found = _moves.gather_bad(coll, assembler.bad)
     out.timings["read_agree"] = time.perf_counter() - t
     if found:
       return found
     t = time.perf_counter()
     out.leaves = assembler.tree(target_specs, targets)
     out.timings["read_place"] = time.perf_counter() - t
-    sent, _ = _sparse.bytes_moved(got, self.host)
+    sent, _ = _moves.bytes_moved(got, self.host)
     out.plan = plan
     out.read = {"snapshot": assembler.bytes_read, "received": received, "sent": sent}
+    if assembler.bytes_rebuilt:
+      out.read["rebuilt"] = assembler.bytes_rebuilt
     return []
 
   def branch(self, local: Sequence[Manifest], restored: int, incarnation: int) -> int:
@@ -256,7 +258,7 @@ class Distributed:
         assembler.check_copy(c)
     timings["read_verify"] = time.perf_counter() - t
     t = time.perf_counter()
-    bad = _sparse.gather_bad(self.collective, assembler.bad)
+    bad = _moves.gather_bad(self.collective, assembler.bad)
     timings["read_agree"] = time.perf_counter() - t
     if bad:
       return Assembled(None, {k: f"checksum mismatch in "

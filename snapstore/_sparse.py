@@ -20,11 +20,11 @@ inventory:
 Every host derives the same verdict from the same bytes: the step is
 restorable here (:class:`Planned`), or no copy of some needed piece
 survives (:class:`Lost`: an older step, or the persistent tier), or the
-pieces cannot be matched by region (a changed target layout) or must be
-rebuilt from parity (:class:`Fallback`: the full inventory exchange of
-:mod:`._exchange`, reported as such). A piece then moves point to point
-(:meth:`._collective.Collective.permute`) and its receiver checks it
-against the sender's checksums before use.
+pieces cannot be matched by region (a changed target layout:
+:class:`Fallback`, the full inventory exchange of :mod:`._exchange`,
+reported as such). A need no host holds in a step with parity is rebuilt
+from its stripes' survivors only (:mod:`._rebuild`). The moves themselves
+are :mod:`._moves`'.
 """
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
+from . import _rebuild
 from ._agree import Candidate, digest_of, shared_content
-from ._assemble import Assembler, BadCopy, _wanted
-from ._checksum import ChecksumKind, crc_matches, piece_key
+from ._assemble import _wanted
+from ._checksum import ChecksumKind
 from ._collective import NONE, Collective, gather_blobs
-from ._index import Index, full
+from ._index import Index, full, nbytes as index_nbytes
 from ._layout import LeafKind, LeafSpec, spec_from_row, target_sharding
 from ._manifest import Manifest, PieceRecord, PieceTable
-from ._planner import Copy, CopyKey, StepPlan
+from ._planner import REBUILT, CopyKey
 
 #: The most bytes one point-to-point transfer carries (more: several rounds).
 BATCH_BYTES = 64 << 20
@@ -93,10 +94,11 @@ class Planned:
   candidate: Candidate
   header: Header
   needs: tuple[Need, ...]
-  holder: tuple[int, ...]           # per need
+  holder: tuple[int, ...]           # per need (REBUILT: from parity)
   nbytes: tuple[int, ...]           # per need
   incoming: tuple[Incoming, ...]    # this host's
   outgoing: tuple[int, ...]         # the needs this host sends
+  stripes: tuple[_rebuild.Stripe, ...] = ()  # the parity rebuilds
 
   @property
   def moves(self) -> int:
@@ -228,10 +230,11 @@ def holder_values(held: Held, needs: Sequence[Need], target_specs: Sequence[Leaf
 
 def verdict(needs: Sequence[Need], mins: np.ndarray, cand: Candidate, num_hosts: int,
             target_specs: Sequence[LeafSpec]) -> tuple[int, ...] | Lost | Fallback:
-  """Each need's holder, or why the step cannot restore this way."""
+  """Each need's holder (:data:`REBUILT` where no host holds it and the
+  step carries parity), or why the step cannot restore this way."""
   n = len(needs)
   holders = []
-  layout = parity = None
+  layout = None
   for i, need in enumerate(needs):
     exact, near = int(mins[i]), int(mins[n + i])
     if exact != NONE:
@@ -241,44 +244,49 @@ def verdict(needs: Sequence[Need], mins: np.ndarray, cand: Candidate, num_hosts:
     if near != NONE:
       layout = layout or what
     elif cand.parity:
-      parity = parity or what
+      holders.append(REBUILT)
     else:
       return Lost(f"step {cand.step}: no surviving copy of {what}")
   if layout is not None:
     return Fallback(f"the target layout differs from the saved one ({layout} is no saved "
                     "piece)")
-  if parity is not None:
-    return Fallback(f"{parity} is rebuilt from parity")
   return tuple(holders)
 
 
 # ------------------------------------------------------------------- rows
 def encode_rows(held: Held, needs: Sequence[Need], holders: Sequence[int],
-                target_specs: Sequence[LeafSpec], header: bytes | None) -> bytes:
-  """The records of the needs this host sends, and the header if asked."""
+                target_specs: Sequence[LeafSpec], header: bytes | None,
+                parity: Sequence[Any] = ()) -> bytes:
+  """The records of the needs this host sends, the header if asked, and
+  its parity offers (:func:`._rebuild.offers`)."""
   rows = []
   for i, (need, h) in enumerate(zip(needs, holders, strict=True)):
     if h != held.host:
       continue
     rec = held.record(held.by_path[target_specs[need.pos].path], need.region)
     rows.append([i, rec.nbytes, list(rec.checksum), rec.owner, rec.kind.value])
-  if not rows and header is None:
+  if not rows and header is None and not parity:
     return b""
-  return msgpack.packb([rows, header], use_bin_type=True)
+  return msgpack.packb([rows, header, list(parity)], use_bin_type=True)
 
 
-def decode_rows(blobs: Sequence[bytes]) -> tuple[dict[int, list[Any]], bytes | None]:
+def decode_rows(blobs: Sequence[bytes]
+                ) -> tuple[dict[int, list[Any]], bytes | None, dict[int, list[Any]]]:
+  """The rows by need, the header, and each host's parity offers."""
   rows: dict[int, list[Any]] = {}
   header = None
-  for blob in blobs:
+  parity: dict[int, list[Any]] = {}
+  for host, blob in enumerate(blobs):
     if not blob:
       continue
-    got, head = msgpack.unpackb(blob)
+    got, head, offers = msgpack.unpackb(blob)
     for row in got:
       rows[int(row[0])] = row
     if head is not None:
       header = head
-  return rows, header
+    if offers:
+      parity[host] = offers
+  return rows, header, parity
 
 
 def header_from(blob: bytes, digest: int) -> Header:
@@ -311,91 +319,36 @@ def plan(coll: Collective, manifest: Manifest | None, cand: Candidate,
   holders = got
   send_header = bool(lacking) and manifest is not None and host == cand.holders[0]
   head = shared_content(manifest) if send_header and manifest is not None else None
-  rows, header_blob = decode_rows(gather_blobs(coll, encode_rows(
-      held, needs, holders, target_specs, head)))
+  rebuild = REBUILT in holders
+  lost_hosts = set(range(n)) - set(cand.holders) if rebuild else set()
+  offers = _rebuild.offers(host, manifest, lost_hosts, held.exact, bad) if rebuild else []
+  rows, header_blob, parity = decode_rows(gather_blobs(coll, encode_rows(
+      held, needs, holders, target_specs, head, offers)))
   header = Header.of(manifest) if manifest is not None else header_from(header_blob or b"",
                                                                         cand.digest)
   by_path = {s.path: i for i, s in enumerate(header.leaves)}
+  stripes: list[_rebuild.Stripe] = []
+  if rebuild:
+    wanted = [(needs[i].needer, by_path[target_specs[needs[i].pos].path], needs[i].region)
+              for i, h in enumerate(holders) if h == REBUILT]
+    stripes, why = _rebuild.decide(cand.step, parity, lost_hosts, wanted, len(header.leaves))
+    if why is not None:
+      return Lost(why)
   kinds = {k.value: k for k in ChecksumKind}
   incoming = []
   for i, need in enumerate(needs):
-    if need.needer == host:
+    if need.needer == host and holders[i] != REBUILT:
       row = rows[i]
       leaf = by_path[target_specs[need.pos].path]
       rec = PieceRecord(leaf, need.region, 0, int(row[1]), tuple(int(c) for c in row[2]),
                         int(row[3]), kinds[row[4]])
       incoming.append(Incoming(i, holders[i], rec))
-  return Planned(cand, header, tuple(needs), holders,
-                 tuple(int(rows[i][1]) for i in range(len(needs))), tuple(incoming),
-                 tuple(i for i, h in enumerate(holders) if h == host))
-
-
-# ---------------------------------------------------------- the transfers
-@dataclasses.dataclass(frozen=True)
-class Batch:
-  """Needs ``needs`` moving from ``src`` to ``dst`` in one buffer."""
-
-  src: int
-  dst: int
-  needs: tuple[int, ...]
-  nbytes: int
-
-
-def rounds(planned: Planned, batch_bytes: int = BATCH_BYTES) -> list[list[Batch]]:
-  """The transfers in rounds where each host sends at most one buffer and
-  receives at most one (one permute a round); the same on every host."""
-  pairs: dict[tuple[int, int], list[int]] = {}
-  for i, need in enumerate(planned.needs):
-    pairs.setdefault((planned.holder[i], need.needer), []).append(i)
-  pending: list[Batch] = []
-  for (src, dst), ids in sorted(pairs.items()):
-    cur: list[int] = []
-    size = 0
-    for i in ids:
-      nb = planned.nbytes[i]
-      if cur and size + nb > batch_bytes:
-        pending.append(Batch(src, dst, tuple(cur), size))
-        cur, size = [], 0
-      cur.append(i)
-      size += nb
-    if cur:
-      pending.append(Batch(src, dst, tuple(cur), size))
-  out = []
-  while pending:
-    used_src: set[int] = set()
-    used_dst: set[int] = set()
-    this, rest = [], []
-    for b in pending:
-      if b.src in used_src or b.dst in used_dst:
-        rest.append(b)
-      else:
-        used_src.add(b.src)
-        used_dst.add(b.dst)
-        this.append(b)
-    out.append(this)
-    pending = rest
-  return out
-
-
-def bytes_moved(planned: Planned, host: int) -> tuple[int, int]:
-  """(bytes ``host`` sends, bytes it receives) of state in ``planned``."""
-  sent = sum(planned.nbytes[i] for i in range(planned.moves) if planned.holder[i] == host)
-  got = sum(planned.nbytes[i] for i, need in enumerate(planned.needs) if need.needer == host)
-  return sent, got
-
-
-def encode_bad(bad: Iterable[CopyKey]) -> bytes:
-  rows = [[h, s, lf, [list(r) for r in idx]] for h, s, lf, idx in bad]
-  return msgpack.packb(rows) if rows else b""
-
-
-def gather_bad(coll: Collective, bad: Iterable[CopyKey]) -> list[CopyKey]:
-  """Every host's bad copies (one small exchange; nothing sent where none is)."""
-  out: list[CopyKey] = []
-  for blob in gather_blobs(coll, encode_bad(bad)):
-    for h, s, lf, idx in (msgpack.unpackb(blob) if blob else ()):
-      out.append((int(h), int(s), int(lf), tuple((int(a), int(b)) for a, b in idx)))
-  return sorted(set(out))
+  itemsize = [s.np_dtype.itemsize if s.dtype else 0 for s in header.leaves]
+  nbytes = tuple(int(rows[i][1]) if h != REBUILT else
+                 index_nbytes(needs[i].region, itemsize[by_path[target_specs[needs[i].pos].path]])
+                 for i, h in enumerate(holders))
+  return Planned(cand, header, tuple(needs), holders, nbytes, tuple(incoming),
+                 tuple(i for i, h in enumerate(holders) if h == host), tuple(stripes))
 
 
 def manifests_at(manifests: Iterable[Manifest], cand: Candidate) -> Manifest | None:
@@ -404,85 +357,3 @@ def manifests_at(manifests: Iterable[Manifest], cand: Candidate) -> Manifest | N
     if m.step == cand.step and m.incarnation == cand.incarnation:
       return m
   return None
-
-
-# ------------------------------------------------------------- execution
-def local_plan(planned: Planned, manifest: Manifest | None, host: int,
-               bad: Collection[CopyKey] = ()) -> StepPlan:
-  """The step plan of this host alone: the copies its store holds (not
-  bad), and the pieces it receives (held by their senders)."""
-  cand, header = planned.candidate, planned.header
-  copies: dict[tuple[int, Index], list[Copy]] = {}
-  if manifest is not None:
-    slot_bytes = max([r[2] + r[3] for r in manifest.pieces.rows] +
-                     [r.piece.offset + r.piece.nbytes for r in manifest.parity], default=0)
-    for p in manifest.pieces:
-      c = Copy(host, manifest.slot, p, slot_bytes)
-      if not bad or c.key(cand.step) not in bad:
-        copies.setdefault((p.leaf, p.index), []).append(c)
-  for got in planned.incoming:
-    rec = got.record
-    copies.setdefault((rec.leaf, rec.index), []).append(Copy(got.holder, -1, rec, 0))
-  return StepPlan(step=cand.step, incarnation=cand.incarnation, specs=header.leaves,
-                  tree_digest=header.tree_digest, chunk_bytes=header.chunk_bytes,
-                  copies={k: tuple(v) for k, v in copies.items()}, scalars=header.scalars,
-                  extra=header.extra, stores=(host,))
-
-
-def outgoing_keys(planned: Planned, target_specs: Sequence[LeafSpec]
-                  ) -> list[tuple[int, Index]]:
-  """The (leaf, region) of each piece this host sends."""
-  by_path = {s.path: i for i, s in enumerate(planned.header.leaves)}
-  return [(by_path[target_specs[planned.needs[i].pos].path], planned.needs[i].region)
-          for i in planned.outgoing]
-
-
-def move(coll: Collective, planned: Planned, assembler: Assembler,
-         target_specs: Sequence[LeafSpec]) -> int:
-  """Runs the transfers: this host's outgoing pieces (verified as they were
-  read, :meth:`Assembler.prefetch`) go to their needers; each piece
-  received is checked against its sender's checksums, then adopted, or
-  marked bad (``assembler.bad``). Returns the bytes received."""
-  plan = assembler.plan
-  host = coll.host
-  by_path = {s.path: i for i, s in enumerate(planned.header.leaves)}
-  incoming = {got.need: got for got in planned.incoming}
-  received = 0
-  for batch_round in rounds(planned):
-    out = next((b for b in batch_round if b.src == host), None)
-    into = next((b for b in batch_round if b.dst == host), None)
-    payload = None
-    if out is not None:
-      payload = np.zeros(out.nbytes, np.uint8)
-      at = 0
-      for i in out.needs:
-        nb = planned.nbytes[i]
-        leaf = by_path[target_specs[planned.needs[i].pos].path]
-        try:
-          payload[at:at + nb] = _flat(assembler.piece(leaf, planned.needs[i].region))
-        except BadCopy:  # (noted in assembler.bad; its receiver finds zeros)
-          pass
-        at += nb
-    got = coll.permute([(b.src, b.dst) for b in batch_round], payload,
-                       max(b.nbytes for b in batch_round))
-    if into is None or got is None:
-      continue
-    at = 0
-    for i in into.needs:
-      nb = planned.nbytes[i]
-      part = got[at:at + nb]
-      at += nb
-      rec = incoming[i].record
-      path = plan.specs[rec.leaf].path
-      key = (incoming[i].holder, plan.step, rec.leaf, rec.index)
-      if rec.kind is ChecksumKind.CRC32C and crc_matches(
-          part, rec.checksum, chunk_bytes=plan.chunk_bytes, key=piece_key(path, rec.index)):
-        assembler.adopt(rec.leaf, rec.index, np.array(part))
-        received += nb
-      else:
-        assembler.bad[key] = BadCopy(key, path)
-  return received
-
-
-def _flat(x: Any) -> np.ndarray:
-  return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)

@@ -63,8 +63,7 @@ class RestoreResult:
       ``"sparse"``, each host's own metadata and point-to-point moves
       (``bytes_read`` then has ``"received"`` and ``"sent"``: state bytes
       this host got from and gave to others); or ``"full: <why>"``, every
-      host's manifests exchanged (a changed target layout, a parity
-      rebuild).
+      host's manifests exchanged (a target laid out otherwise than the save).
   """
 
   step: int

@@ -6,8 +6,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from snapstore import _agree, _sparse
+from snapstore import _agree, _moves, _sparse
 from snapstore._collective import NONE, bucket, gather_blobs
+from snapstore._planner import REBUILT
 
 
 def _hosts(n, fn):
@@ -100,16 +101,16 @@ def test_rounds_send_and_receive_at_most_once_a_host_and_move_every_need_once():
     nbytes.append(int(rng.integers(1, 50)) << 20)
   planned = _planned(needs, holder, nbytes)
   moved = []
-  for r in _sparse.rounds(planned):
+  for r in _moves.rounds(planned):
     assert len({b.src for b in r}) == len(r) and len({b.dst for b in r}) == len(r)
     for b in r:
-      assert b.nbytes <= max(_sparse.BATCH_BYTES, max(nbytes[i] for i in b.needs))
-      assert all(holder[i] == b.src and needs[i].needer == b.dst for i in b.needs)
-      moved.extend(b.needs)
+      assert b.nbytes <= max(_moves.BATCH_BYTES, max(it.nbytes for it in b.items))
+      assert all(holder[it.ref] == b.src and needs[it.ref].needer == b.dst for it in b.items)
+      moved.extend(it.ref for it in b.items)
   assert sorted(moved) == list(range(200))
 
 
-def test_a_need_no_host_holds_is_lost_or_a_parity_or_layout_fallback():
+def test_a_need_no_host_holds_is_lost_or_rebuilt_or_a_layout_fallback():
   specs = [type("S", (), {"path": "w"})()]
   needs = [_sparse.Need(1, 0, ((0, 4),))]
   cand = _agree.Candidate(3, 0, 0, (0, 2), False)
@@ -120,7 +121,7 @@ def test_a_need_no_host_holds_is_lost_or_a_parity_or_layout_fallback():
   assert isinstance(got, _sparse.Fallback) and "target layout differs" in got.why
   parity = _agree.Candidate(3, 0, 0, (0, 2), True)
   got = _sparse.verdict(needs, np.array([NONE, NONE], np.int32), parity, 4, specs)
-  assert isinstance(got, _sparse.Fallback) and "parity" in got.why
+  assert got == (REBUILT,)  # its stripes are asked next (_rebuild)
 
 
 def test_a_header_that_does_not_match_the_agreed_digest_is_refused():
