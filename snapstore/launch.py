@@ -41,11 +41,17 @@ from ._manifest import write_atomic
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how often the supervisor reads PROGRESS and process states
+FENCE_POLL_S = 0.25  # how often it reads the survivors' reports of missing hosts
+#: how long a host must be reported missing, its process alive, before it is fenced
+FENCE_AFTER_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Kill:
   """SIGKILL ``host`` in incarnation ``incarnation`` once it reaches ``step``.
+
+  ``freeze``: SIGSTOP instead (a host that hangs: alive, silent, never
+  resumed; :func:`launch` fences it in place, see there).
 
   ``phase`` None: the supervisor kills it when its store's PROGRESS reports
   ``step`` (it is then in that step's save or the next train step), or
@@ -63,8 +69,11 @@ class Kill:
   lose_store: bool = False
   phase: str | None = None
   delay_s: float = 0.0
+  freeze: bool = False
 
   def __post_init__(self) -> None:
+    if self.freeze and self.phase is not None:
+      raise ValueError("freeze is for supervisor kills; a phase kill is a SIGKILL")
     if not 0.0 <= self.delay_s < float("inf"):
       raise ValueError(f"delay_s must be a finite number >= 0, got {self.delay_s!r}")
     if self.delay_s and self.phase is not None:
@@ -87,6 +96,7 @@ class Incarnation:
   restore: dict[str, Any] | None = None  # host 0's first RestoreResult.summary()
   restores: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # all of them
   replaced: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # in place
+  fenced: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # hung, killed
   fallback: str | None = None  # why an in-place job restarted in full
   digests: dict[str, str] = dataclasses.field(default_factory=dict)  # step -> state digest
 
@@ -131,6 +141,44 @@ def report_restore(summary: dict[str, Any], incarnation: int, *,
       doc.pop()
     doc.append(dict(summary, incarnation=incarnation, time=time.time()))
     write_atomic(path, json.dumps(doc).encode())
+
+
+def report_missing(processes: Sequence[int], since: float) -> None:
+  """Under :func:`launch`: this process has seen ``processes`` missing from
+  the job's live members (the coordination service's heartbeats) since
+  ``since``; the supervisor fences those that are still running (hung)."""
+  where, job, me = (os.environ.get(REPORT_DIR_ENV), incarnation_from_env(),
+                    os.environ.get("SNAPSTORE_HOST", ""))
+  if where and job is not None and me.isdigit():
+    write_atomic(Path(where) / f"missing-inc{job}-host{me}.json",
+                 json.dumps({"missing": sorted(processes), "since": since}).encode())
+
+
+def _fence(inc: Incarnation, procs: dict[int, subprocess.Popen[bytes]],
+           started: dict[int, float], report_dir: Path, now: float) -> None:
+  """Kills each host that a survivor has reported missing for
+  :data:`FENCE_AFTER_S` while its process still runs (alive but silent:
+  the service declared it dead); it is then replaced like a dead one. A
+  report older than the host's current process (a replacement still
+  starting) is not about it."""
+  for path in report_dir.glob(f"missing-inc{inc.number}-host*.json"):
+    try:
+      doc = json.loads(path.read_text())
+      missing, since = [int(h) for h in doc["missing"]], float(doc["since"])
+    except (OSError, ValueError, KeyError, TypeError):
+      continue  # (written atomically; a bad one is not ours to trust)
+    for h in missing:
+      p = procs.get(h)
+      if (p is None or p.poll() is not None or since < started.get(h, now)
+          or time.time() - since < FENCE_AFTER_S):
+        continue
+      logger.warning("incarnation %d: host %d is missing from the job since %.1f s ago but "
+                     "its process runs: fenced (SIGKILL) and replaced", inc.number, h,
+                     time.time() - since)
+      p.send_signal(signal.SIGKILL)
+      p.wait()  # (the other survivors' reports of it see it gone)
+      inc.fenced.append({"host": h, "pid": p.pid, "missing_since": since,
+                         "fenced": time.time()})
 
 
 def report_digest(step: int, digest: str, incarnation: int) -> None:
@@ -287,6 +335,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
                                 stdout=log, stderr=subprocess.STDOUT)
 
     procs = {h: start(h) for h in range(hosts)}
+    started = dict.fromkeys(procs, time.time())  # when each host's process started
+    fence_at = 0.0
     seen_at: dict[int, float] = {}  # step -> when a host to kill there reported it
     failed = False
     while procs.keys() - inc.exit_codes.keys():
@@ -312,10 +362,16 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
             pending.remove(k)
             continue
           inc.kill_time = inc.kill_time or time.time()
-          procs[k.host].send_signal(signal.SIGKILL)
-          procs[k.host].wait()
+          if k.freeze:  # alive and silent: no exit for the loop below to see
+            procs[k.host].send_signal(signal.SIGSTOP)
+          else:
+            procs[k.host].send_signal(signal.SIGKILL)
+            procs[k.host].wait()
           _record_kill(inc, k, store_dir, run_id)
           pending.remove(k)
+      if extra_env and service is not None and now >= fence_at:
+        fence_at = now + FENCE_POLL_S
+        _fence(inc, procs, started, report_dir, now)
       for h, p in procs.items():
         if h in inc.exit_codes or p.poll() is None:
           continue
@@ -329,7 +385,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
             attempts[h] += 1
             inc.replaced.append({"host": h, "exit_code": code, "died": time.time()})
             procs[h] = start(h)  # the same host id; the others keep running
-            inc.replaced[-1]["started"] = time.time()
+            started[h] = inc.replaced[-1]["started"] = time.time()
             logger.info("incarnation %d: host %d exited %d; replaced in place", number, h,
                         code)
             continue
@@ -346,6 +402,10 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
           inc.exit_codes[h] = p.wait()
         break
       time.sleep(POLL_S)
+    for p in procs.values():  # (a frozen host the job finished without)
+      if p.poll() is None:
+        p.kill()
+        p.wait()
     if service is not None:
       service.shutdown()
     reservation.close()

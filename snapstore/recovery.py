@@ -97,7 +97,12 @@ class PeerFailed(RuntimeError):
 
 
 class MembersMissing(RuntimeError):
-  """Not every process of the job is live yet (a replacement is starting)."""
+  """Not every process of the job is live (a replacement is starting, or a
+  host hangs: the supervisor fences it). ``processes``: the missing ones."""
+
+  def __init__(self, message: str, processes: tuple[int, ...] = ()):
+    super().__init__(message)
+    self.processes = processes
 
 
 def unsupported() -> str | None:
@@ -323,8 +328,10 @@ class InPlace:
       self._block += 1
       failure = f"{_FAILED}/{hashlib.sha256(repr(key).encode()).hexdigest()}/{self._block}"
       if len(devices) < len(self._all):
+        gone = tuple(sorted({d.process_index for d in self._all}
+                            - {d.process_index for d in devices}))
         raise MembersMissing(f"{len(self._all) - len(devices)} of {len(self._all)} "
-                             "devices are not live")
+                             f"devices are not live (processes {list(gone)})", gone)
       try:
         self.changed = self._dirty or key != self._key
         if key != self._key or self._order_name in self._spent:
@@ -417,6 +424,10 @@ class InPlace:
     now = time.time()
     if isinstance(error, MembersMissing) or isinstance(error.__cause__, MembersMissing):
       self._waiting_since = self._waiting_since or now
+      missing = error if isinstance(error, MembersMissing) else error.__cause__
+      if isinstance(missing, MembersMissing) and missing.processes:
+        from . import launch  # (the supervisor's side of the protocol)
+        launch.report_missing(missing.processes, self._waiting_since)
       if now - self._waiting_since > self.wait_timeout_s:
         raise RestartRequired(f"no replacement joined in {self.wait_timeout_s:.0f} s: "
                               f"{error}") from error
