@@ -6,11 +6,13 @@ from ._persistent import OrbaxTier as OrbaxTier
 from .errors import (
     BudgetExceededError as BudgetExceededError,
     CorruptSnapshotError as CorruptSnapshotError,
+    DeletedLeafError as DeletedLeafError,
     DrainFailedError as DrainFailedError,
     NothingToRestoreError as NothingToRestoreError,
     SnapshotInProgressError as SnapshotInProgressError,
     SnapstoreError as SnapstoreError,
     StepNotFoundError as StepNotFoundError,
+    StepOrderError as StepOrderError,
     StoreError as StoreError,
     TreeMismatchError as TreeMismatchError,
     UnsafeStoreError as UnsafeStoreError,
@@ -26,10 +28,12 @@ from .options import (
 __version__ = "0.9.0"
 
 __all__ = [
-    "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError", "DrainFailedError",
+    "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError", "DeletedLeafError",
+    "DrainFailedError",
     "NothingToRestoreError", "OrbaxTier", "RestoreResult", "SaveMetrics",
     "SnapshotInProgressError", "SnapshotManager", "SnapshotOptions",
-    "SnapstoreError", "Source", "StepNotFoundError", "StoreError", "StoreKind", "TreeMismatchError",
+    "SnapstoreError", "Source", "StepNotFoundError", "StepOrderError", "StoreError", "StoreKind",
+    "TreeMismatchError",
     "UnsafeStoreError", "UnsupportedLeafError",
     "errors",
 ]

@@ -379,6 +379,30 @@ def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
   return out
 
 
+def check_targets(specs: Sequence[LeafSpec], targets: Sequence[Any]) -> None:
+  """Raises TreeMismatchError naming the first target leaf whose sharding
+  does not divide its shape."""
+  for spec, target in zip(specs, targets, strict=True):
+    sharding = getattr(target, "sharding", None)
+    if sharding is None or spec.kind in (LeafKind.SCALAR, LeafKind.NUMPY):
+      continue
+    why = _indivisible(sharding, tuple(spec.shape))
+    if why is not None:
+      raise errors.TreeMismatchError(
+          f"leaf {spec.path!r}: its target sharding cannot hold shape {list(spec.shape)} "
+          f"({why}). Pick a sharding whose mesh axes divide the leaf, or restore it "
+          "replicated.", leaf=spec.path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _indivisible(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> str | None:
+  try:
+    sharding.shard_shape(shape)
+  except ValueError as e:  # (jax's IndivisibleError)
+    return str(e)
+  return None
+
+
 def wants_numpy(saved: LeafSpec, target_spec: LeafSpec, target: Any) -> bool:
   """True if a restored leaf goes back as a host numpy array: the target asks
   for one, or a numpy leaf was saved and the target carries no sharding."""

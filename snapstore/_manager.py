@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from . import _backends, _interval, _peers, _planner, _switch, errors, launch
 from ._arena import ArenaCache
 from ._assemble import Assembler
-from ._layout import LeafSpec, check_compatible, flatten, tree_digest
+from ._layout import LeafSpec, check_compatible, check_targets, flatten, tree_digest
 from ._manifest import check_extra, copy_extra
 from ._persistent import OrbaxTier
 from .metrics import RestoreResult, SaveMetrics, Source
@@ -81,6 +81,7 @@ class SnapshotManager:
             f"inspect them ({self.backend.describe()}) or pass incarnation=")
     self.incarnation: int = incarnation
     self._newest_step = prev_step
+    self._lineage_step: int | None = None  # the last step passed to save, this lineage
     self.metrics = SaveMetrics()
     self._drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
     self._arenas = ArenaCache()  # restore memory, reused (._arena)
@@ -110,6 +111,13 @@ class SnapshotManager:
     t_enter = time.perf_counter()
     if type(step) is not int or not 0 <= step <= MAX_INT:
       raise ValueError(f"step must be an int in [0, 2**48], got {step!r}")
+    if self._lineage_step is not None and step < self._lineage_step:
+      raise errors.StepOrderError(
+          f"save of step {step} after step {self._lineage_step} (incarnation "
+          f"{self.incarnation}): a restore would still pick the later step. To go back, "
+          f"restore(step=...) first (a restore starts a new lineage); to start over, use "
+          "a new run_id.")
+    self._lineage_step = step
     self._newest_step = max(self._newest_step, step)
     self.backend.write_progress(self._newest_step, self.incarnation)
     running = self._inflight is not None and not self._inflight.done()
@@ -146,8 +154,20 @@ class SnapshotManager:
     # (mismatched collectives: gloo aborts the process on the size mismatch).
     travel = self.options.carries_replicas(step)
     copies = 1 if self.options.redundancy == "parity" else self.options.replicas
-    with _switch.collections_paused(self.options.pause_gc):
-      pending = self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
+    try:
+      with _switch.collections_paused(self.options.pause_gc):
+        pending = self.backend.capture(header, specs, leaves,
+                                       replicas=copies if travel else 0)
+    except RuntimeError as e:
+      gone = [s.path for s, x in zip(specs, leaves, strict=True)
+              if isinstance(x, jax.Array) and x.is_deleted()]
+      if not gone:
+        raise
+      raise errors.DeletedLeafError(
+          f"step {step}: leaf {gone[0]!r}{f' (and {len(gone) - 1} more)' if len(gone) > 1 else ''}"
+          " was deleted, e.g. "
+          "donated to a jitted step that has run since: save the state a step returns "
+          "before passing it to the next one. Nothing of this step was saved.") from e
     self._inflight = self._drainer.submit(self._drain, pending)
     self.metrics.snapshots_started += 1
     self.metrics.capture_seconds = time.perf_counter() - t0
@@ -248,10 +268,14 @@ class SnapshotManager:
     committed persistent step. Blocks; collective on a multi-controller job.
     """
     self._check_open()
+    if step is not None and (type(step) is not int or not 0 <= step <= MAX_INT):
+      raise TypeError(f"step must be an int in [0, 2**48] or None, got {step!r}")
+    self._lineage_step = None  # a restore starts a new lineage (_report sets its step)
     notes = self._settle_inflight()
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     target_specs, targets, treedef = flatten(abstract_state)
+    check_targets(target_specs, targets)
     local = self.backend.manifests()
     t = time.perf_counter()
     persistent_steps = [s for s in (self.persistent.committed_steps() if self.persistent
@@ -415,6 +439,7 @@ class SnapshotManager:
         timings=timings, notes=tuple(notes), exchange=exchange))
 
   def _report(self, result: RestoreResult) -> RestoreResult:
+    self._lineage_step = result.step
     if self.host == 0:
       launch.report_restore(result.summary(), self.incarnation)
     return result

@@ -68,6 +68,17 @@ class UnsupportedLeafError(SnapstoreError, TypeError):
     self.leaf = leaf
 
 
+class StepOrderError(SnapstoreError, ValueError):
+  """``save`` was given a step older than one this manager saved since it
+  was made or last restored: restore first (a restore starts a new
+  lineage), or save under a new ``run_id``."""
+
+
+class DeletedLeafError(SnapstoreError, RuntimeError):
+  """``save`` was given an array whose buffer was deleted (donated to a
+  jitted step, or ``.delete()``d). Nothing of that step was saved."""
+
+
 class StoreError(SnapstoreError, OSError):
   """The snapshot store cannot be written (read-only, full, or refused).
   What it holds is untouched and still restorable."""

@@ -94,6 +94,12 @@ class HostFilesBackend(DomainStores):
     return _stripes_of(tuple(_group.devices()), tuple(sorted(self._domains.items())),
                        self.options.parity_k)
 
+  def close(self) -> None:
+    """Drops the mappings of the last restore's slots, then the stores'."""
+    with self._views_lock:
+      self._views, self._views_plan = {}, None
+    super().close()
+
   def describe(self) -> str:
     return f"the host stores in {self.stores[min(self.stores)].root.parent}"
 
