@@ -21,6 +21,7 @@ from .errors import (
 from .metrics import RestoreResult as RestoreResult, SaveMetrics as SaveMetrics, Source as Source
 from .options import (
     BusyPolicy as BusyPolicy,
+    FailurePolicy as FailurePolicy,
     SnapshotOptions as SnapshotOptions,
     StoreKind as StoreKind,
 )
@@ -29,7 +30,7 @@ __version__ = "0.9.0"
 
 __all__ = [
     "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError", "DeletedLeafError",
-    "DrainFailedError",
+    "DrainFailedError", "FailurePolicy",
     "NothingToRestoreError", "OrbaxTier", "RestoreResult", "SaveMetrics",
     "SnapshotInProgressError", "SnapshotManager", "SnapshotOptions",
     "SnapstoreError", "Source", "StepNotFoundError", "StepOrderError", "StoreError", "StoreKind",

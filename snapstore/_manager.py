@@ -27,7 +27,7 @@ from ._layout import LeafSpec, check_compatible, check_targets, flatten, tree_di
 from ._manifest import check_extra, copy_extra
 from ._persistent import OrbaxTier
 from .metrics import RestoreResult, SaveMetrics, Source
-from .options import MAX_INT, BusyPolicy, SnapshotOptions
+from .options import MAX_INT, BusyPolicy, FailurePolicy, SnapshotOptions
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class SnapshotManager:
     self.incarnation: int = incarnation
     self._newest_step = prev_step
     self._lineage_step: int | None = None  # the last step passed to save, this lineage
+    self._failures_logged: set[str] = set()  # RAM-tier failure kinds logged once
+    self._capture_started = 0.0
     self.metrics = SaveMetrics()
     self._drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
     self._arenas = ArenaCache()  # restore memory, reused (._arena)
@@ -133,17 +135,47 @@ class SnapshotManager:
       self.metrics.persistent_saves += 1
     if not snap:
       return False
+    try:
+      pending = self._capture(step, specs, leaves, extra)
+    except (errors.BudgetExceededError, errors.StoreError) as e:
+      # a run's first snapshot that cannot fit is a misconfiguration: raised
+      if (self.options.failure_policy is FailurePolicy.RAISE
+          or self.metrics.snapshots_started == 0):
+        raise
+      self._store_failed(step, e)
+      return False
+    if pending is None:
+      return False
+    t0 = self._capture_started
+    self._inflight = self._drainer.submit(self._drain, pending)
+    self.metrics.snapshots_started += 1
+    self.metrics.capture_seconds = time.perf_counter() - t0
+    self.metrics.capture_seconds_total += self.metrics.capture_seconds
+    self.schedule.on_snapshot(step, time.perf_counter() - t_enter)
+    self.metrics.interval, self.metrics.interval_reason = (self.schedule.interval,
+                                                           self.schedule.reason)
+    return True
+
+  def _capture(self, step: int, specs: Sequence[LeafSpec], leaves: Sequence[Any],
+               extra: Any) -> Any:
+    """Waits for (or skips past) the snapshot in flight, raises its error,
+    then captures this step (None: skipped under ``BusyPolicy.SKIP``)."""
     if self._inflight is not None and not self._inflight.done():
       if self.options.busy_policy is BusyPolicy.SKIP:
         self.metrics.skipped_busy += 1
         logger.info("step %d: previous snapshot still draining; skipped (policy SKIP)", step)
-        return False
+        return None
       t = time.perf_counter()
       futures.wait([self._inflight])
       self.metrics.waited_busy += 1
       self.metrics.wait_seconds += time.perf_counter() - t
-    self._raise_drain_error()
-    t0 = time.perf_counter()
+    try:
+      self._raise_drain_error()
+    except errors.DrainFailedError as e:
+      if self.options.failure_policy is FailurePolicy.RAISE:
+        raise
+      self._store_failed(step, e)  # and this step is snapshotted as usual
+    self._capture_started = time.perf_counter()
     header = _backends.Header(
         run_id=self.options.run_id, incarnation=self.incarnation, step=step,
         num_hosts=max(self.num_hosts, len(self.backend.store_ids())),
@@ -168,14 +200,19 @@ class SnapshotManager:
           " was deleted, e.g. "
           "donated to a jitted step that has run since: save the state a step returns "
           "before passing it to the next one. Nothing of this step was saved.") from e
-    self._inflight = self._drainer.submit(self._drain, pending)
-    self.metrics.snapshots_started += 1
-    self.metrics.capture_seconds = time.perf_counter() - t0
-    self.metrics.capture_seconds_total += self.metrics.capture_seconds
-    self.schedule.on_snapshot(step, time.perf_counter() - t_enter)
-    self.metrics.interval, self.metrics.interval_reason = (self.schedule.interval,
-                                                           self.schedule.reason)
-    return True
+    return pending
+
+  def _store_failed(self, step: int, e: BaseException) -> None:
+    """A RAM-tier failure under ``FailurePolicy.CONTINUE``: counted, logged
+    once per cause; the last complete snapshot stays restorable."""
+    self.metrics.store_failures += 1
+    self.metrics.last_store_failure = f"step {step}: {e}"
+    cause = type(e).__name__
+    if cause not in self._failures_logged:
+      self._failures_logged.add(cause)
+      logger.warning("step %d: the RAM tier failed and this step has no snapshot; training "
+                     "goes on (FailurePolicy.CONTINUE; counted in metrics.store_failures, "
+                     "logged once per kind): %s", step, e)
 
   def _drain(self, pending: Any) -> None:
     t0 = time.perf_counter()

@@ -31,6 +31,8 @@ class SaveMetrics:
   persistent_saves: int = 0
   interval: int = 1              # the snapshot interval in force (``"auto"``: chosen)
   interval_reason: str = "fixed"
+  store_failures: int = 0        # saves the RAM tier failed (FailurePolicy.CONTINUE)
+  last_store_failure: str = ""   # the last one's error
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -18,6 +18,16 @@ class BusyPolicy(enum.Enum):
   SKIP = "skip"  # do not snapshot this step; counted in ``metrics.skipped``.
 
 
+class FailurePolicy(enum.Enum):
+  """What ``save`` does when the RAM tier fails after a run's first
+  snapshot (the store filled, the state outgrew the budget, a drain
+  failed). A first save that cannot fit always raises: that is a
+  misconfiguration."""
+
+  CONTINUE = "continue"  # count it in metrics, log it once per cause, go on training
+  RAISE = "raise"        # raise it into the training loop
+
+
 class StoreKind(enum.Enum):
   """Where snapshots live."""
 
@@ -49,6 +59,9 @@ class SnapshotOptions:
     persistent_interval: save to the persistent tier every this many steps
       (``0`` disables periodic persistent saves).
     busy_policy: what ``save`` does when the previous snapshot still drains.
+    failure_policy: what ``save`` does when the RAM tier fails later in a
+      run (``FailurePolicy.CONTINUE``: training and the persistent tier go
+      on; the last complete snapshot stays restorable).
     copy_threads: worker threads that copy and checksum shards.
     chunk_bytes: unit of copy and checksum.
     replicas: copies of each shard kept in other failure domains (multi-host),
@@ -111,6 +124,7 @@ class SnapshotOptions:
   run_id: str = "default"
   persistent_interval: int = 0
   busy_policy: BusyPolicy = BusyPolicy.WAIT
+  failure_policy: FailurePolicy = FailurePolicy.CONTINUE
   copy_threads: int = 2
   chunk_bytes: int = 16 << 20
   replicas: int = 1
@@ -165,6 +179,8 @@ class SnapshotOptions:
       _int_option("incarnation", self.incarnation, 0, "or None")
     if not isinstance(self.busy_policy, BusyPolicy):
       raise TypeError(f"busy_policy must be a BusyPolicy, got {self.busy_policy!r}")
+    if not isinstance(self.failure_policy, FailurePolicy):
+      raise TypeError(f"failure_policy must be a FailurePolicy, got {self.failure_policy!r}")
     if not isinstance(self.store, StoreKind):
       raise TypeError(f"store must be a StoreKind, got {self.store!r}")
     if not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id) or \

@@ -24,6 +24,7 @@ length by our own doing.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import mmap
@@ -223,11 +224,14 @@ class HostStore:
       raise errors.BudgetExceededError(
           f"a slot of {size} bytes does not fit in the {free} free bytes of "
           f"{self.root}: lower keep, set budget_bytes, or free the RAM disk.")
-    fd = open_regular(self._slot_path(i),
-                      os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
+    path = self._slot_path(i)
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-      os.ftruncate(fd, size)
-      os.posix_fallocate(fd, 0, size)
+      try:
+        _allocate(fd, size, path)
+      except BaseException:
+        os.unlink(path)  # never a full-size sparse file left to be reused
+        raise
       mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
       os.close(fd)
@@ -243,16 +247,28 @@ class HostStore:
   def slot_buffer(self, slot: int) -> np.ndarray:
     """The writable bytes of ``slot`` (reserved by :meth:`reserve`)."""
     if slot not in self._maps:
-      fd = open_regular(self._slot_path(slot), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+      path = self._slot_path(slot)
+      fd = open_regular(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
       try:
         st = os.fstat(fd)
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
           raise errors.UnsafeStoreError(
               f"{self._slot_path(slot)} is owned by uid {st.st_uid} with mode "
               f"{stat.S_IMODE(st.st_mode):o}; a slot must be this user's, mode 0600")
+        if st.st_nlink > 1:  # another name shares it (a backup: cp -al): never rewrite it
+          logger.warning("%s has %d links: replaced by a new file, the others keep its "
+                         "bytes", path, st.st_nlink)
+          os.close(fd)
+          fd = -1
+          os.unlink(path)
+          self._create_slot(slot, st.st_size)
+          return self._maps[slot][1]
+        if st.st_blocks * 512 < st.st_size:  # sparse (an allocation cut short)
+          _allocate(fd, st.st_size, path)
         mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
       finally:
-        os.close(fd)
+        if fd >= 0:
+          os.close(fd)
       self._maps[slot] = (mm, np.frombuffer(mm, dtype=np.uint8))
       self._inodes[slot] = st.st_ino
     return self._maps[slot][1]
@@ -416,3 +432,20 @@ def scan(root: Path, *, run_id: str, host: int,
   valid = sorted([e for e in out if e[1] is not None],
                  key=lambda e: (cast(Manifest, e[1]).step, cast(Manifest, e[1]).incarnation))
   return valid + [e for e in out if e[1] is None]
+
+
+def _allocate(fd: int, size: int, path: Path) -> None:
+  """Sizes ``fd`` to ``size`` bytes, every page allocated: a mapping of it
+  is then written without a fault that could find no page (SIGBUS on a
+  full RAM disk). Raises BudgetExceededError naming the space if the
+  filesystem has no room."""
+  try:
+    os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)
+  except OSError as e:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+      raise errors.BudgetExceededError(
+          f"{path}: no room for a slot of {size} bytes on its filesystem "
+          f"({shutil.disk_usage(path.parent).free} bytes free): lower keep, set "
+          "budget_bytes, or free the RAM disk.") from e
+    raise
