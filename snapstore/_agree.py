@@ -71,8 +71,14 @@ class Candidate:
   step: int
   incarnation: int
   digest: int
-  holders: tuple[int, ...]
+  holders: np.ndarray  # the hosts that hold it, ascending (int32: thousands of them)
   parity: bool
+
+  def missing(self, num_hosts: int) -> set[int]:
+    """The hosts that do not hold it."""
+    have = np.zeros(num_hosts, bool)
+    have[self.holders] = True
+    return {int(h) for h in np.flatnonzero(~have)}
 
 
 def candidates(coll: Collective, manifests: Sequence[Manifest], *, step: int | None = None,
@@ -121,8 +127,8 @@ def candidates(coll: Collective, manifests: Sequence[Manifest], *, step: int | N
     s = next_s
 
 
-def _hosts(bits: np.ndarray, n: int) -> tuple[int, ...]:
-  return tuple(int(h) for h in np.flatnonzero(np.unpackbits(bits, bitorder="little")[:n]))
+def _hosts(bits: np.ndarray, n: int) -> np.ndarray:
+  return np.flatnonzero(np.unpackbits(bits, bitorder="little")[:n]).astype(np.int32)
 
 
 def branch(coll: Collective, manifests: Sequence[Manifest], restored: int,

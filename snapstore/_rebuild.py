@@ -64,8 +64,10 @@ def offers(host: int, manifest: Manifest | None, lost_hosts: Collection[int],
     if not any(m in lost_hosts for m in r.members):
       continue
     survivors = [m for m in r.members if m not in lost_hosts]
+    # the layout, from the lowest survivor, where one member is lost (two:
+    # the stripe cannot be rebuilt, every host sees it from the members)
     layout = ([[[leaf, [list(p) for p in idx]] for leaf, idx in member] for member in r.layout]
-              if survivors and host == min(survivors) else None)
+              if len(survivors) == len(r.members) - 1 and host == min(survivors) else None)
     out.append([r.stripe, r.block, list(r.members), r.length,
                 _record_usable(host, manifest.step, manifest, r, bad, held), layout])
   return out

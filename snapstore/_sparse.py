@@ -317,10 +317,10 @@ def plan(coll: Collective, manifest: Manifest | None, cand: Candidate,
   if not isinstance(got, tuple):
     return got
   holders = got
-  send_header = bool(lacking) and manifest is not None and host == cand.holders[0]
+  send_header = bool(lacking) and manifest is not None and host == int(cand.holders[0])
   head = shared_content(manifest) if send_header and manifest is not None else None
   rebuild = REBUILT in holders
-  lost_hosts = set(range(n)) - set(cand.holders) if rebuild else set()
+  lost_hosts = cand.missing(n) if rebuild else set()
   offers = _rebuild.offers(host, manifest, lost_hosts, held.exact, bad) if rebuild else []
   rows, header_blob, parity = decode_rows(gather_blobs(coll, encode_rows(
       held, needs, holders, target_specs, head, offers)))

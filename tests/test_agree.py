@@ -29,7 +29,7 @@ def _m(base, host, step, inc=0, **kw):
 def _cands(n, stores, **kw):
   def one(coll):
     reasons = []
-    got = [(c.step, c.incarnation, c.holders) for c in
+    got = [(c.step, c.incarnation, tuple(c.holders.tolist())) for c in
            _agree.candidates(coll, stores[coll.host], reasons=reasons, **kw)]
     return got, reasons
   out = _hosts(n, one)
@@ -87,7 +87,7 @@ def test_gather_blobs_lays_the_senders_blobs_end_to_end():
 
 
 def _planned(needs, holder, nbytes):
-  cand = _agree.Candidate(1, 0, 0, (0,), False)
+  cand = _agree.Candidate(1, 0, 0, np.array([0]), False)
   return _sparse.Planned(cand, None, tuple(needs), tuple(holder), tuple(nbytes), (), ())
 
 
@@ -113,13 +113,13 @@ def test_rounds_send_and_receive_at_most_once_a_host_and_move_every_need_once():
 def test_a_need_no_host_holds_is_lost_or_rebuilt_or_a_layout_fallback():
   specs = [type("S", (), {"path": "w"})()]
   needs = [_sparse.Need(1, 0, ((0, 4),))]
-  cand = _agree.Candidate(3, 0, 0, (0, 2), False)
+  cand = _agree.Candidate(3, 0, 0, np.array([0, 2]), False)
   assert _sparse.verdict(needs, np.array([2, NONE], np.int32), cand, 4, specs) == (3,)
   got = _sparse.verdict(needs, np.array([NONE, NONE], np.int32), cand, 4, specs)
   assert isinstance(got, _sparse.Lost) and "host 1's piece" in got.why and "'w'" in got.why
   got = _sparse.verdict(needs, np.array([NONE, 1], np.int32), cand, 4, specs)
   assert isinstance(got, _sparse.Fallback) and "target layout differs" in got.why
-  parity = _agree.Candidate(3, 0, 0, (0, 2), True)
+  parity = _agree.Candidate(3, 0, 0, np.array([0, 2]), True)
   got = _sparse.verdict(needs, np.array([NONE, NONE], np.int32), parity, 4, specs)
   assert got == (REBUILT,)  # its stripes are asked next (_rebuild)
 
