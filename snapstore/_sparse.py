@@ -100,10 +100,6 @@ class Planned:
   outgoing: tuple[int, ...]         # the needs this host sends
   stripes: tuple[_rebuild.Stripe, ...] = ()  # the parity rebuilds
 
-  @property
-  def moves(self) -> int:
-    return len(self.needs)
-
 
 @dataclasses.dataclass(frozen=True)
 class Lost:
