@@ -106,9 +106,10 @@ class Layout:
     from snapstore._layout import LeafKind
     return [i for i, s in enumerate(self.specs) if s.kind is not LeafKind.SCALAR]
 
-  def manifest(self, host: int, step: int, slot: int, *, parity: bool) -> Any:
+  def manifest(self, host: int, step: int, slot: int, *, parity: bool, shift: int = 1) -> Any:
     """Host ``host``'s manifest of ``step``, as a host-files drain makes it:
-    its own pieces, then (replicas) the previous host's, owner that host;
+    its own pieces, then (replicas) those of the host ``shift`` before it
+    (one domain a host: 1), owner that host;
     (parity) one block a local device instead."""
     from snapstore._checksum import ChecksumKind
     from snapstore._index import align
@@ -132,7 +133,7 @@ class Layout:
       devs = [first] if self.axes[leaf] is None else range(first, first + LOCAL)
       for d in devs:
         add(leaf, self.index(leaf, d), host)
-    prev = (host - 1) % self.n
+    prev = (host - shift) % self.n  # (shift: the ring's, hosts_per_domain at save)
     parity_of = {}
     if parity:  # k=3: groups of 4 hosts; a stripe a local device position
       g = host // 4 * 4

@@ -155,3 +155,29 @@ def test_scale_benchmark_one_host_lost_only_its_replacement_receives_its_share(t
     assert all(v == 0 for h, v in got.items() if h != lost)
     assert rows[(n, "two")]["verdict"] == "persistent"  # a host and its keeper lost
     assert rows[(n, "one")]["payload_received_max"] < 1 << 20
+
+
+@pytest.mark.parametrize("shift", [1, 2])
+def test_keepers_are_found_whatever_domain_size_the_save_used(shift):
+  """Saved with failure domains of ``shift`` hosts (the ring keeps host h's
+  replicas on h + shift), restored by a job that knows nothing of it: every
+  piece of the lost host comes from its keeper, found by the holders'
+  minimum, not derived from options (no full exchange is needed)."""
+  from benchmarks.scale import STEPS, Layout, targets_of
+  n, lost = 8, 4
+  layout = Layout(n)
+  stores = {h: [] if h == lost else [layout.manifest(h, s, i, parity=False, shift=shift)
+                                     for i, s in enumerate(STEPS)] for h in range(n)}
+
+  def one(coll):
+    cand = next(_agree.candidates(coll, stores[coll.host]))
+    return _sparse.plan(coll, _sparse.manifests_at(stores[coll.host], cand), cand,
+                        layout.specs, targets_of(layout, coll.host))
+  got = _hosts(n, one)
+  assert all(isinstance(p, _sparse.Planned) for p in got)
+  p = got[0]
+  assert {nd.needer for nd in p.needs} == {lost}
+  sharded = {i for i, a in enumerate(layout.axes) if a is not None}
+  from_keeper = {p.holder[i] for i, nd in enumerate(p.needs) if nd.pos in sharded}
+  assert from_keeper == {(lost + shift) % n}
+  assert {p.holder[i] for i, nd in enumerate(p.needs) if nd.pos not in sharded} == {lost + 1}
