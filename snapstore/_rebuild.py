@@ -123,7 +123,11 @@ def decide(step: int, rows: Mapping[int, Sequence[Any]], lost_hosts: Collection[
     if gone or stripe not in layouts:
       return [], (f"step {step}: the {group} lost host {members[x]} and the parity blocks "
                   f"of hosts {[members[j] for j in gone]} are unusable")
-    found.append((stripe, _layout_from(layouts[stripe], members, length, num_leaves), x))
+    try:
+      layout = _layout_from(layouts[stripe], members, length, num_leaves)
+    except (ValueError, TypeError) as e:  # (every host parses the same bytes)
+      return [], f"step {step}: the {group}'s layout is malformed ({e})"
+    found.append((stripe, layout, x))
   where = {piece: at for at, (_, layout, x) in enumerate(found) for piece in layout.pieces[x]}
   needers: dict[int, set[int]] = {}
   for needer, leaf, idx in wanted:
