@@ -181,3 +181,43 @@ def test_keepers_are_found_whatever_domain_size_the_save_used(shift):
   from_keeper = {p.holder[i] for i, nd in enumerate(p.needs) if nd.pos in sharded}
   assert from_keeper == {(lost + shift) % n}
   assert {p.holder[i] for i, nd in enumerate(p.needs) if nd.pos not in sharded} == {lost + 1}
+
+
+def _offer(stripe, block, members, layout=None, usable=True, length=24):
+  return [stripe, block, list(members), length, usable, layout]
+
+
+def test_a_stripe_rebuilds_with_one_lost_member_and_every_other_block():
+  from snapstore import _rebuild
+  members = (0, 1, 2, 3)
+  layout = [[[0, [[m * 2, m * 2 + 2]]]] for m in members]  # one piece a member
+  rows = {1: [_offer(7, 1, members, layout)], 2: [_offer(7, 2, members)],
+          3: [_offer(7, 3, members)]}
+  got, why = _rebuild.decide(5, rows, {0}, [(0, 0, ((0, 2),))], num_leaves=1)
+  assert why is None and [(s.stripe, s.lost, s.needers) for s in got] == [(7, 0, (0,))]
+  # host 0's piece needed by host 2 instead (the target order moved it)
+  got, _ = _rebuild.decide(5, rows, {0}, [(2, 0, ((0, 2),))], num_leaves=1)
+  assert got[0].needers == (2,)
+
+
+def test_a_stripe_that_cannot_rebuild_says_why_naming_its_group():
+  from snapstore import _rebuild
+  members = (0, 1, 2, 3)
+  layout = [[[0, [[m * 2, m * 2 + 2]]]] for m in members]
+  want = [(0, 0, ((0, 2),))]
+  two = {1: [_offer(7, 1, members)], 3: [_offer(7, 3, members)]}
+  _, why = _rebuild.decide(5, two, {0, 2}, want, num_leaves=1)
+  assert why == ("step 5: the group of hosts [0, 1, 2, 3] (stripe 7) lost hosts [0, 2]; "
+                 "parity rebuilds one lost host of a group")
+  bad = {1: [_offer(7, 1, members, layout)], 2: [_offer(7, 2, members, usable=False)],
+         3: [_offer(7, 3, members)]}
+  _, why = _rebuild.decide(5, bad, {0}, want, num_leaves=1)
+  assert "parity blocks of hosts [2] are unusable" in why
+  broken = {1: [_offer(7, 1, members, [[[9, [[0, 2]]]]] * 4)], 2: [_offer(7, 2, members)],
+            3: [_offer(7, 3, members)]}
+  _, why = _rebuild.decide(5, broken, {0}, want, num_leaves=1)
+  assert "layout is malformed" in why and "leaf 9" in why
+  ok = {1: [_offer(7, 1, members, layout)], 2: [_offer(7, 2, members)],
+        3: [_offer(7, 3, members)]}
+  _, why = _rebuild.decide(5, ok, {0}, [(0, 0, ((4, 6),))], num_leaves=1)
+  assert "no surviving copy or parity stripe of host 0's piece" in why
