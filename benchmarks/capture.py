@@ -117,13 +117,16 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
       fn, x, iters = calibrated_step(state, sharding, save_s * step_factor)
       state, _ = fn(state, x, iters)
 
+      next_step = [1000]  # steps only grow within a lineage (StepOrderError)
+
       def loop(snap: bool, steps: int = repeats * 2) -> float:
         nonlocal state
         t = time.perf_counter()
-        for s in range(steps):
+        for _ in range(steps):
           state, _ = fn(state, x, iters)
           if snap:
-            mgr.save(1000 + s, state)
+            mgr.save(next_step[0], state)
+            next_step[0] += 1
         jax.block_until_ready(state)
         mgr.wait_until_finished()
         return (time.perf_counter() - t) / steps
