@@ -150,7 +150,7 @@ class Distributed:
     t = time.perf_counter()
     newest, incarnation, neg_latest = _agree.max64(coll, values)
     out = Sparse(newest, incarnation, -neg_latest)
-    latest = max([s for s in persistent_steps if s <= -neg_latest], default=-1)
+    latest = -neg_latest  # (agreed: each host's listing of the tier may differ)
     bad: set[CopyKey] = set()
     scan = time.perf_counter() - t
     for cand in _agree.candidates(coll, local, step=step, reasons=out.reasons):
@@ -171,6 +171,9 @@ class Distributed:
         found = self._assemble_sparse(got, mine, source, arenas, target_specs, targets, bad, out)
         if not found:
           return out
+        if set(found) <= bad:  # (nothing new to leave out: the step is lost here)
+          out.reasons.append(f"step {cand.step}: its copies keep failing their checks")
+          break
         for k in found:
           out.notes.append(f"step {cand.step}: checksum mismatch in "
                            f"{what_copy(k, got.header.leaves[k[2]].path)} held by host "
@@ -194,7 +197,9 @@ class Distributed:
     assembler = Assembler(plan, source, arenas=arenas)
     by_path = {s.path: i for i, s in enumerate(plan.specs)}
     reads = [k for spec, target in zip(target_specs, targets, strict=True)
-             for k in assembler.local_pieces(by_path[spec.path], spec, target)
+             for k in (assembler.local_pieces(by_path[spec.path], spec, target)
+                       or [(by_path[spec.path], idx)  # (host arrays: every piece)
+                           for idx in plan.leaf_copies(by_path[spec.path])])
              if any(c.store == self.host for c in plan.copies.get(k, ()))]
     reads += _moves.reads(got, target_specs, self.host)
     _read(assembler, reads)
@@ -207,8 +212,16 @@ class Distributed:
     if found:
       return found
     t = time.perf_counter()
-    out.leaves = assembler.tree(target_specs, targets)
+    try:
+      leaves = assembler.tree(target_specs, targets)
+    except BadCopy as e:  # (a copy read only now: agreed below, like the others)
+      assembler.bad.setdefault(e.key, e)
+      leaves = None
+    found = _moves.gather_bad(coll, assembler.bad)
     out.timings["read_place"] = time.perf_counter() - t
+    if found:
+      return found
+    out.leaves = leaves
     sent, _ = _moves.bytes_moved(got, self.host)
     out.plan = plan
     out.read = {"snapshot": assembler.bytes_read, "received": received, "sent": sent}

@@ -105,8 +105,14 @@ def decide(step: int, rows: Mapping[int, Sequence[Any]], lost_hosts: Collection[
   layouts: dict[int, Any] = {}
   for host in sorted(rows):
     for stripe, block, members, length, usable, layout in rows[host]:
+      members, block = tuple(int(m) for m in members), int(block)
+      if (meta.setdefault(stripe, (members, int(length))) != (members, int(length))
+          or not 0 <= block < len(members) or members[block] != host
+          or block in by_stripe.get(stripe, {}) or (layout is not None and stripe in layouts)):
+        # (every host sees the same offers: the same verdict everywhere)
+        return [], (f"step {step}: the parity blocks of stripe {stripe} disagree on its "
+                    "layout")
       by_stripe.setdefault(stripe, {})[block] = (host, bool(usable))
-      meta.setdefault(stripe, (tuple(int(m) for m in members), int(length)))
       if layout is not None:
         layouts[stripe] = layout
   found = []

@@ -36,13 +36,13 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from . import _rebuild
+from . import _rebuild, errors
 from ._agree import Candidate, digest_of, shared_content
 from ._assemble import _wanted
 from ._checksum import ChecksumKind
 from ._collective import NONE, Collective, gather_blobs
 from ._index import Index, full, nbytes as index_nbytes
-from ._layout import LeafKind, LeafSpec, spec_from_row, target_sharding
+from ._layout import LeafKind, LeafSpec, check_compatible, spec_from_row, target_sharding
 from ._manifest import Manifest, PieceRecord, PieceTable
 from ._planner import REBUILT, CopyKey
 
@@ -58,6 +58,7 @@ class Need(NamedTuple):
   needer: int
   pos: int
   region: Index
+  own_bad: bool = False  # the needer holds it, but its copy failed its check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +135,17 @@ class Held:
     self.by_path: dict[str, int] = {}
     self._regions: dict[int, list[Index]] = {}
     self._bounds: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self.bad: set[tuple[int, Index]] = set()  # its own copies found bad
     if manifest is None:
       return
     step = manifest.step
     self.by_path = {s.path: i for i, s in enumerate(manifest.leaves)}
     for row in manifest.pieces.rows:  # (rows: no record object made per piece)
       key = (row[0], row[1])
-      if (bad and (host, step, *key) in bad) or key in self.exact:
+      if bad and (host, step, *key) in bad:
+        self.bad.add(key)
+        continue
+      if key in self.exact:
         continue
       self.exact[key] = row
       self._regions.setdefault(row[0], []).append(row[1])
@@ -168,23 +173,23 @@ class Held:
 
 
 def local_needs(held: Held, target_specs: Sequence[LeafSpec], targets: Sequence[Any]
-                ) -> list[tuple[int, Index]]:
-  """(target position, region) of each region this host's devices hold that
-  its own store has no exact copy of."""
+                ) -> list[tuple[int, Index, bool]]:
+  """(target position, region, whether its own copy was bad) of each region
+  this host's devices hold that its own store has no good exact copy of."""
   out = []
   for pos, (spec, target) in enumerate(zip(target_specs, targets, strict=True)):
     leaf = held.leaf_of(spec)
     for region in target_regions(spec, target):
       if leaf is None or (leaf, region) not in held.exact:
-        out.append((pos, region))
+        out.append((pos, region, leaf is not None and (leaf, region) in held.bad))
   return out
 
 
-def encode_needs(lacks_header: bool, needs: Sequence[tuple[int, Index]]) -> bytes:
+def encode_needs(lacks_header: bool, needs: Sequence[tuple[int, Index, bool]]) -> bytes:
   if not needs and not lacks_header:
     return b""
-  return msgpack.packb([int(lacks_header), [[pos, [c for r in region for c in r]]
-                                            for pos, region in needs]])
+  return msgpack.packb([int(lacks_header), [[pos, [c for r in region for c in r], int(bad)]
+                                            for pos, region, bad in needs]])
 
 
 def decode_needs(blobs: Sequence[bytes]) -> tuple[list[Need], list[int]]:
@@ -197,9 +202,9 @@ def decode_needs(blobs: Sequence[bytes]) -> tuple[list[Need], list[int]]:
     lacks, rows = msgpack.unpackb(blob)
     if lacks:
       lacking.append(host)
-    for pos, flat in rows:
+    for pos, flat, own_bad in rows:
       region = tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
-      needs.append(Need(host, int(pos), region))
+      needs.append(Need(host, int(pos), region, bool(own_bad)))
   return needs, lacking
 
 
@@ -208,10 +213,15 @@ def holder_values(held: Held, needs: Sequence[Need], target_specs: Sequence[Leaf
                   num_hosts: int) -> np.ndarray:
   """This host's part of the holders' minimum: for need ``i``, at ``i`` its
   distance after the needer if it holds an exact copy, at ``len(needs) + i``
-  if it holds an overlapping one; :data:`NONE` elsewhere."""
-  out = np.full(2 * len(needs), NONE, np.int32)
+  if it holds an overlapping one; :data:`NONE` elsewhere; and last, 0 if
+  it holds the step and the abstract state does not match it."""
+  out = np.full(2 * len(needs) + 1, NONE, np.int32)
   if held.manifest is None:
     return out
+  try:  # the last slot: 0 where a holder finds the abstract state does not match
+    check_compatible(held.manifest.leaves, target_specs, step=held.manifest.step)
+  except errors.TreeMismatchError:
+    out[-1] = 0
   for i, need in enumerate(needs):
     leaf = held.leaf_of(target_specs[need.pos])
     if leaf is None:
@@ -309,6 +319,13 @@ def plan(coll: Collective, manifest: Manifest | None, cand: Candidate,
   if not needs and not lacking and manifest is not None:
     return Planned(cand, Header.of(manifest), (), (), (), (), ())
   mins = coll.reduce_min(holder_values(held, needs, target_specs, n))
+  if mins[-1] == 0:  # every host raises alike (a holder says which leaf)
+    if manifest is not None:
+      check_compatible(manifest.leaves, target_specs, step=cand.step)
+    raise errors.TreeMismatchError(
+        f"the snapshot of step {cand.step} does not match the abstract state (the hosts "
+        "that hold it name the leaf). Pass an abstract state with the structure that "
+        "was saved.", leaf="")
   got = verdict(needs, mins, cand, n, target_specs)
   if not isinstance(got, tuple):
     return got
@@ -316,12 +333,24 @@ def plan(coll: Collective, manifest: Manifest | None, cand: Candidate,
   send_header = bool(lacking) and manifest is not None and host == int(cand.holders[0])
   head = shared_content(manifest) if send_header and manifest is not None else None
   rebuild = REBUILT in holders
-  lost_hosts = cand.missing(n) if rebuild else set()
+  # the members to rebuild: hosts without the step, and those whose own copy
+  # of a piece no other host holds failed its check
+  lost_hosts = (cand.missing(n) | {needs[i].needer for i, h in enumerate(holders)
+                                   if h == REBUILT and needs[i].own_bad}) if rebuild else set()
   offers = _rebuild.offers(host, manifest, lost_hosts, held.exact, bad) if rebuild else []
   rows, header_blob, parity = decode_rows(gather_blobs(coll, encode_rows(
       held, needs, holders, target_specs, head, offers)))
-  header = Header.of(manifest) if manifest is not None else header_from(header_blob or b"",
-                                                                        cand.digest)
+  header: Header | None = Header.of(manifest) if manifest is not None else None
+  if lacking:  # every host learns whether each that lacked it got it intact
+    if header is None:
+      try:
+        header = header_from(header_blob or b"", cand.digest)
+      except (ValueError, TypeError, KeyError):
+        header = None
+    if coll.reduce_min(np.array([0 if header is None else 1], np.int32))[0] == 0:
+      return Lost(f"step {cand.step}: its header did not reach every host that lacks it "
+                  "intact")
+  assert header is not None  # (lacking is empty: every host has the manifest)
   by_path = {s.path: i for i, s in enumerate(header.leaves)}
   stripes: list[_rebuild.Stripe] = []
   if rebuild:

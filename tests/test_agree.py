@@ -221,3 +221,41 @@ def test_a_stripe_that_cannot_rebuild_says_why_naming_its_group():
         3: [_offer(7, 3, members)]}
   _, why = _rebuild.decide(5, ok, {0}, [(0, 0, ((4, 6),))], num_leaves=1)
   assert "no surviving copy or parity stripe of host 0's piece" in why
+
+
+def test_offers_that_disagree_on_a_stripe_lose_the_step_on_every_host():
+  from snapstore import _rebuild
+  members = (0, 1, 2, 3)
+  want = [(0, 0, ((0, 2),))]
+  twice = {1: [_offer(7, 1, members)], 2: [_offer(7, 1, members)], 3: [_offer(7, 3, members)]}
+  other = {1: [_offer(7, 1, members)], 2: [_offer(7, 2, (0, 1, 2, 5))]}
+  for rows in (twice, other):
+    _, why = _rebuild.decide(5, rows, {0}, want, num_leaves=1)
+    assert why == "step 5: the parity blocks of stripe 7 disagree on its layout"
+
+
+def test_a_live_host_s_bad_copy_is_rebuilt_from_its_stripe():
+  """No host lost; host 2's own copy of one protected piece failed its check
+  (parity: no other copy): its stripe rebuilds it for host 2, not an older
+  step."""
+  from benchmarks.scale import STEPS, Layout, targets_of
+  n = 4
+  layout = Layout(n)
+  stores = {h: [layout.manifest(h, s, i, parity=True) for i, s in enumerate(STEPS)]
+            for h in range(n)}
+  leaf = next(i for i, a in enumerate(layout.axes) if a is not None)
+  region = layout.index(leaf, 4 * 2 + 1)  # host 2's second device
+  bad = {(2, STEPS[-1], leaf, region)}
+
+  def one(coll):
+    cand = next(_agree.candidates(coll, stores[coll.host]))
+    return _sparse.plan(coll, _sparse.manifests_at(stores[coll.host], cand), cand,
+                        layout.specs, targets_of(layout, coll.host), bad=bad)
+  got = _hosts(n, one)
+  assert all(isinstance(p, _sparse.Planned) for p in got), got
+  p = got[0]
+  assert [(nd.needer, nd.region, nd.own_bad) for nd in p.needs] == [(2, region, True)]
+  assert p.holder == (REBUILT,)
+  (st,) = p.stripes
+  assert st.needers == (2,) and st.layout.members[st.lost] == 2
+  assert (leaf, region) in st.layout.pieces[st.lost]
