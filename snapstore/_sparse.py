@@ -24,7 +24,7 @@ pieces cannot be matched by region (a changed target layout:
 :class:`Fallback`, the full inventory exchange of :mod:`._exchange`,
 reported as such). A need no host holds in a step with parity is rebuilt
 from its stripes' survivors only (:mod:`._rebuild`). The moves themselves
-are :mod:`._moves`'.
+are :mod:`._moves`.
 """
 
 from __future__ import annotations
