@@ -10,6 +10,7 @@ committed, before this step's snapshot; in loops that call it, like
 ``snapstore.integrations.maxtext.train``), ``capture`` (half the leaves
 captured), ``replica`` (a replica transfer dispatched, not awaited),
 ``manifest`` (the data and the manifest's temp file written, not renamed),
+``persistent`` (the step's async Orbax save dispatched, not committed),
 ``restore`` (a plan chosen; on a multi-host job its copies verified and
 agreed on, before any leaf is cut or piece moved). The kill is a real
 SIGKILL of the calling process: no handler, no flush, no cleanup runs,
@@ -25,7 +26,7 @@ import sys
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("step", "capture", "replica", "manifest", "restore")
+PHASES = ("step", "capture", "replica", "manifest", "persistent", "restore")
 ENV = "SNAPSTORE_FAULT"
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from . import _backends, _interval, _peers, _planner, _switch, errors, launch
+from . import _backends, _faults, _interval, _peers, _planner, _switch, errors, launch
 from ._arena import ArenaCache
 from ._assemble import Assembler
 from ._layout import LeafSpec, check_compatible, check_targets, flatten, tree_digest
@@ -133,6 +133,7 @@ class SnapshotManager:
     if persist and self.persistent is not None:
       self.persistent.save(step, specs, leaves, extra)
       self.metrics.persistent_saves += 1
+      _faults.point("persistent", step)
     if not snap:
       return False
     try:

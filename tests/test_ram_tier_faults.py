@@ -5,6 +5,7 @@ kernel would report them: ``posix_fallocate``)."""
 
 import errno
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -148,3 +149,35 @@ def test_a_slot_file_with_another_link_is_replaced_never_rewritten(store_dir):
     r = m.restore(abstract())
   assert r.step == 5
   assert all(link.read_bytes() == data for link, data in backups.items())
+
+
+def _worker(mode, where, **env):
+  import subprocess
+  import sys
+  return subprocess.run([sys.executable, "-m", "tests._orbax_kill_worker", mode, str(where)],
+                        env=dict(os.environ, **env), capture_output=True, timeout=300,
+                        cwd=Path(__file__).parent.parent)
+
+
+@pytest.mark.parametrize("wipe", [False, True], ids=["snapshot-wins", "older-orbax-wins"])
+def test_a_kill_during_an_in_flight_orbax_save_never_restores_it(tmp_path, wipe):
+  """A real SIGKILL right after step 10's async Orbax save of a 64 MB state
+  is dispatched: that checkpoint is on disk but never committed. The restore
+  takes the RAM snapshot of step 9, or with the store wiped (a replaced
+  machine) Orbax's committed step 5: bitwise the state saved there, never
+  the torn step 10."""
+  import json
+  import shutil
+  import signal
+  killed = _worker("save", tmp_path, SNAPSTORE_FAULT="persistent@10")
+  assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+  ckpt = tmp_path / "ckpt"
+  assert any(p.name.startswith("10") for p in ckpt.iterdir()), sorted(ckpt.iterdir())
+  assert not (ckpt / "10").is_dir(), "the save committed before the kill: state too small?"
+  if wipe:
+    shutil.rmtree(tmp_path / "store")
+  done = _worker("restore", tmp_path)
+  assert done.returncode == 0, done.stderr.decode()[-2000:]
+  got = json.loads((tmp_path / "restored.json").read_text())
+  assert got == ({"step": 5, "source": "persistent", "equal": True} if wipe else
+                 {"step": 9, "source": "snapshot", "equal": True}), got
