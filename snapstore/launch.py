@@ -56,11 +56,11 @@ class Kill:
   ``phase`` None: the supervisor kills it when its store's PROGRESS reports
   ``step`` (it is then in that step's save or the next train step), or
   ``delay_s`` seconds later: a real host fails at any moment, not in step with
-  the job's progress file. A phase
-  (``step``, ``capture``, ``replica``, ``manifest``, ``persistent``, ``restore``; see ``_faults``): the
-  process SIGKILLs itself at that point of that step. Kills of one
-  incarnation at the same step fire together. ``lose_store`` also wipes the
-  host's RAM store (a replaced machine).
+  the job's progress file. A phase (``step``, ``capture``, ``replica``,
+  ``manifest``, ``persistent``, ``restore``; see ``_faults``): the process
+  SIGKILLs itself at that point of that step. Kills of one incarnation at
+  the same step fire together. ``lose_store`` also wipes the host's RAM
+  store (a replaced machine).
   """
 
   host: int
