@@ -360,8 +360,8 @@ def calibrated_step(state: Any, sharding: Any, seconds: float) -> tuple[Any, Any
 
 def demo_job(work: Path, name: str, steps: int, worker_args: Sequence[str], *,
              num_hosts: int, kills: Sequence[Any] = (), timeout_s: float = 600,
-             env: dict[str, str] | None = None, in_place: bool = False
-             ) -> tuple[list[Any], Path]:
+             env: dict[str, str] | None = None, in_place: bool = False,
+             max_replacements: int = 8) -> tuple[list[Any], Path]:
   """Runs the demo's worker (``snapstore.demo.worker``) as a job named
   ``name`` under ``snapstore launch`` in ``work``: its store in
   ``work/store-<name>``, its reports and logs in ``work/<name>``, one
@@ -374,7 +374,7 @@ def demo_job(work: Path, name: str, steps: int, worker_args: Sequence[str], *,
                  "--run-id", name, *worker_args],
                 num_hosts=num_hosts, devices_per_host=2, store_dir=store, run_id=name,
                 kills=kills, max_incarnations=len(kills) + 1, timeout_s=timeout_s,
-                log_dir=out, env=env, in_place=in_place)
+                log_dir=out, env=env, in_place=in_place, max_replacements=max_replacements)
   return incs, out
 
 

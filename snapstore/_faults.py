@@ -3,7 +3,7 @@
 Armed only by the environment, which ``snapstore.launch`` sets for the host
 and incarnation a ``Kill(phase=...)`` names::
 
-  SNAPSTORE_FAULT=<phase>@<step>     e.g. manifest@6
+  SNAPSTORE_FAULT=<phase>@<step>[,...]     e.g. manifest@6 or capture@9,replica@12
 
 Phases: ``step`` (a train step computed and the previous snapshot
 committed, before this step's snapshot; in loops that call it, like
@@ -30,13 +30,18 @@ PHASES = ("step", "capture", "replica", "manifest", "persistent", "restore")
 ENV = "SNAPSTORE_FAULT"
 
 
-def parse(value: str | None) -> tuple[str, int] | None:
-  if not value:
-    return None
-  phase, _, step = value.partition("@")
-  if phase not in PHASES or not step.lstrip("-").isdigit():
-    raise ValueError(f"{ENV}={value!r}: expected <phase>@<step>, phase one of {PHASES}")
-  return phase, int(step)
+def parse(value: str | None) -> tuple[tuple[str, int], ...]:
+  """``<phase>@<step>[,<phase>@<step>...]``: the points armed (none for empty)."""
+  out = []
+  for spec in (value or "").split(","):
+    if not spec:
+      continue
+    phase, _, step = spec.partition("@")
+    if phase not in PHASES or not step.lstrip("-").isdigit():
+      raise ValueError(f"{ENV}={value!r}: expected <phase>@<step>[,...], phase one of "
+                       f"{PHASES}")
+    out.append((phase, int(step)))
+  return tuple(out)
 
 
 _ARMED = parse(os.environ.get(ENV))
@@ -45,7 +50,7 @@ _ARMED = parse(os.environ.get(ENV))
 def armed(phase: str, step: int) -> bool:
   """Whether :func:`point` would kill at ``phase`` of ``step`` (a caller may
   first settle what the kill should find, e.g. a step computed)."""
-  return _ARMED is not None and _ARMED[0] == phase and _ARMED[1] in (step, -1)
+  return any(p == phase and s in (step, -1) for p, s in _ARMED)
 
 
 def point(phase: str, step: int) -> None:

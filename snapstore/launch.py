@@ -50,6 +50,11 @@ FENCE_AFTER_S = 1.0
 class Kill:
   """SIGKILL ``host`` in incarnation ``incarnation`` once it reaches ``step``.
 
+  ``incarnation`` None: in whichever incarnation gets there, the kills in
+  the order given (a soak's faults, where a recovery may heal in place or
+  restart in full). A kill not fired by the incarnation that ends the job
+  is an error.
+
   ``freeze``: SIGSTOP instead (a host that hangs: alive, silent, never
   resumed; :func:`launch` fences it in place, see there).
 
@@ -65,7 +70,7 @@ class Kill:
 
   host: int
   step: int
-  incarnation: int = 0
+  incarnation: int | None = 0
   lose_store: bool = False
   phase: str | None = None
   delay_s: float = 0.0
@@ -288,6 +293,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   """
   out: list[Incarnation] = []
   hosts = num_hosts
+  carried = [k for k in kills if k.incarnation is None]  # fired in any incarnation
   deadline = time.monotonic() + timeout_s
   report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
   report_dir.mkdir(parents=True, exist_ok=True)
@@ -300,8 +306,10 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     digests = report_dir / f"digests-inc{number}.json"
     report.unlink(missing_ok=True)
     digests.unlink(missing_ok=True)
-    pending = [k for k in kills if k.incarnation == number and k.host < hosts]
-    armed = {k.host: k for k in pending if k.phase is not None}
+    pending = ([k for k in kills if k.incarnation == number and k.host < hosts]
+               + [k for k in carried if k.host < hosts])
+    armed: dict[int, list[Kill]] = {}  # what each host's running process was armed with
+    sent: set[int] = set()  # pids this supervisor SIGKILLed (its phase kills did not fire)
     service, extra_env = None, {}
     if in_place:
       from . import recovery  # imports jax: only when asked
@@ -324,8 +332,9 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
                   SNAPSTORE_DEVICES_PER_HOST=str(devices_per_host),
                   SNAPSTORE_REPORT_DIR=str(report_dir), SNAPSTORE_ATTEMPT=str(attempts[h]))
       penv.pop(_faults.ENV, None)
-      if h in armed and attempts[h] == 0:
-        penv[_faults.ENV] = f"{armed[h].phase}@{armed[h].step}"
+      armed[h] = _arming(pending, h)
+      if armed[h]:
+        penv[_faults.ENV] = ",".join(f"{k.phase}@{k.step}" for k in armed[h])
       name = f"inc{number}-host{h}" + (f"-r{attempts[h]}" if attempts[h] else "")
       if not log_dir:
         return subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
@@ -359,16 +368,18 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
         step = min(k.step for k in due)
         for k in [k for k in due if k.step == step]:
           if procs[k.host].poll() is not None:  # it exited on its own meanwhile
-            pending.remove(k)
+            if k.incarnation is not None:  # (a carried kill waits for its replacement)
+              pending.remove(k)
             continue
           inc.kill_time = inc.kill_time or time.time()
           if k.freeze:  # alive and silent: no exit for the loop below to see
             procs[k.host].send_signal(signal.SIGSTOP)
           else:
+            sent.add(procs[k.host].pid)
             procs[k.host].send_signal(signal.SIGKILL)
             procs[k.host].wait()
           _record_kill(inc, k, store_dir, run_id)
-          pending.remove(k)
+          _fired(k, pending, carried)
       if extra_env and service is not None and now >= fence_at:
         fence_at = now + FENCE_POLL_S
         _fence(inc, procs, started, report_dir, now)
@@ -376,8 +387,11 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
         if h in inc.exit_codes or p.poll() is None:
           continue
         code = p.returncode
-        if h in armed and attempts[h] == 0 and code == -signal.SIGKILL:
-          _record_kill(inc, armed.pop(h), store_dir, run_id)
+        fenced = any(f["pid"] == p.pid for f in inc.fenced)
+        if armed.get(h) and code == -signal.SIGKILL and p.pid not in sent and not fenced:
+          k = armed.pop(h)[0]  # its first armed point killed it
+          _record_kill(inc, k, store_dir, run_id)
+          _fired(k, pending, carried)
         if extra_env and code not in (0, recovery.RESTART_EXIT_CODE):
           if service is None and h == 0:
             inc.fallback = "host 0 died, and the coordination service died with it"
@@ -415,6 +429,9 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       inc.restore = inc.restores[0]
     if digests.exists():
       inc.digests = json.loads(digests.read_text())
+    if not failed and carried:
+      raise RuntimeError(f"{len(carried)} kills never fired, the first {carried[0]}: the job "
+                         "ended before it reached them")
     unseen = [k for k in pending if k.phase is None]
     if not failed and unseen:
       raise RuntimeError(
@@ -429,6 +446,21 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       hosts = shrink_to
   raise RuntimeError(f"job still failing after {max_incarnations} incarnations; "
                      f"logs: {log_dir or 'pass log_dir'}")
+
+
+def _arming(pending: Sequence[Kill], h: int) -> list[Kill]:
+  """The phase kills a new process of host ``h`` is armed with: all of its
+  pending ones, earliest step first; a restore kill only when it is the
+  host's next kill (a second fault: this process's restore heals the one
+  before)."""
+  mine = [k for k in pending if k.host == h]
+  return sorted((k for k in mine if k.phase is not None
+                 and (k.phase != "restore" or k is mine[0])), key=lambda k: k.step)
+
+
+def _fired(k: Kill, pending: list[Kill], carried: list[Kill]) -> None:
+  for where in (pending, carried):  # (by identity: two equal kills are two faults)
+    where[:] = [x for x in where if x is not k]
 
 
 def _record_kill(inc: Incarnation, k: Kill, store_dir: str | os.PathLike[str],

@@ -179,6 +179,24 @@ def test_soak_benchmark_recovers_every_kill_bitwise(tmp_path):
   assert result["final_state_equal"]
 
 
+def test_in_place_soak_recovers_a_hang_and_a_wipe_each_hit_again_in_recovery(tmp_path):
+  """In place on 4 hosts: a host frozen (SIGSTOP), then one killed with its
+  store wiped, each replacement killed again inside the restore that heals
+  it. Four heals exceed what gloo's communicators allow one incarnation on
+  CPU, so one fault ends in a full restart: every digest around each fault
+  is bitwise the uninterrupted run's, the hung host was fenced, and each
+  fault's time lost is measured."""
+  result = _run(soak, ["--in-place", "--kills", "2", "--faults", "stop,wipe",
+                       "--second-fault", "1", "--seed", "1"], tmp_path / "s.json")
+  rows = result["per_fault"]
+  assert [(r["kind"], r["second_fault"]) for r in rows] == [("stop", True), ("wipe", True)]
+  assert all(r["bitwise"] for r in rows) and result["final_state_equal"], rows
+  assert result["fenced"] == 1, result
+  assert result["replacements"] >= 2 and result["in_place"] >= 1, result
+  assert result["full_restarts"] >= 1, result  # (four heals: past gloo's cap on CPU)
+  assert all(math.isfinite(r["lost_s"]) for r in rows), rows
+
+
 def test_demo_overhead_benchmark_smoke(tmp_path):
   result = _run(demo_overhead, ["--steps", "8", "--step-s", "0.1", "--replica-intervals", "2"],
                 tmp_path / "d.json")

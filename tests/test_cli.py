@@ -44,3 +44,27 @@ def test_bench_console_script_runs_a_benchmark_from_the_repository_root(tmp_path
                         text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
   assert out.exists() and '"benchmark": "goodput"' in proc.stdout
+
+
+def test_a_fault_spec_arms_several_points_and_a_bad_one_is_refused():
+  from snapstore import _faults
+  assert _faults.parse("capture@9,restore@-1") == (("capture", 9), ("restore", -1))
+  assert _faults.parse("") == ()
+  with pytest.raises(ValueError, match="SNAPSTORE_FAULT"):
+    _faults.parse("capture@9,bogus@3")
+
+
+def test_a_new_process_is_armed_with_its_phase_kills_and_a_restore_kill_only_next():
+  """A host's process is armed with its pending phase kills, earliest step
+  first; a kill in its restore only when that is the host's next fault (it
+  models a second fault inside the recovery of the one before)."""
+  from snapstore.launch import _arming
+  first = Kill(1, 6, incarnation=None)  # a supervisor kill: not armed in the process
+  again = Kill(1, -1, incarnation=None, phase="restore")
+  later = Kill(1, 12, incarnation=None, phase="manifest")
+  other = Kill(2, 9, incarnation=None, phase="capture")
+  pending = [first, again, other, later]
+  assert _arming(pending, 1) == [later]
+  assert _arming([again, other, later], 1) == [again, later]
+  assert _arming(pending, 2) == [other]
+  assert _arming(pending, 0) == []
