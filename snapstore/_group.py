@@ -47,6 +47,20 @@ def set_devices(order: Sequence[jax.Device] | None) -> None:
   _order = None if order is None else tuple(order)
 
 
+_membership: str | None = None
+
+
+def membership() -> str | None:
+  """A name of the job's current members (each process and its incarnation),
+  the same on every process; None until ``InPlace.live()`` first sets it."""
+  return _membership
+
+
+def set_membership(name: str | None) -> None:
+  global _membership
+  _membership = name
+
+
 def rekey_needed(platform: str) -> bool:
   """True where a membership change needs a new device order: CPU, whose
   gloo communicators are keyed by the ordered device list alone. NCCL's are

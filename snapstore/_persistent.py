@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from . import errors
+from . import _orbax_barrier, errors
 from ._layout import LeafKind, LeafSpec, spec_from_row, spec_row, target_sharding
 
 logger = logging.getLogger(__name__)
@@ -42,24 +42,54 @@ class OrbaxTier:
       async saving and ``max_to_keep``.
 
   ``save`` and ``restore`` are collective in a multi-process job: every
-  process calls them with the same step.
+  process calls them with the same step. In a recoverable job
+  (:mod:`snapstore.recovery`) the manager made from a path commits through
+  :mod:`._orbax_barrier`: a save that a replaced process took part in is
+  abandoned, never committed, and the job goes on (a manager passed in
+  keeps its own barrier: see ``docs/in-place.md``).
   """
 
   def __init__(self, manager: ocp.CheckpointManager | str | os.PathLike[str], *,
                max_to_keep: int = 3):
+    self._path: str | None = None
+    self._barrier: _orbax_barrier.Barrier | None = None
+    self._max_to_keep = max_to_keep
     if not isinstance(manager, ocp.CheckpointManager):
       # Every process creates the directory itself, and no root metadata is
       # written: Orbax synchronizes all processes for each, which a
       # replacement joining a running job (in-place recovery) cannot do alone.
       epath.Path(manager).mkdir(parents=True, exist_ok=True)
-      options = dict(max_to_keep=max_to_keep, enable_async_checkpointing=True, create=False)
-      if "save_root_metadata" in {f.name for f in dataclasses.fields(
-          ocp.CheckpointManagerOptions)}:
-        options["save_root_metadata"] = False
-      manager = ocp.CheckpointManager(
-          manager, options=ocp.CheckpointManagerOptions(**options))
-    self.manager = manager
+      self._path = str(manager)
+      manager = self._make()
+    self._manager = manager
     self.bytes_read = 0
+
+  def _make(self) -> ocp.CheckpointManager:
+    assert self._path is not None
+    options: dict[str, Any] = dict(max_to_keep=self._max_to_keep,
+                                   enable_async_checkpointing=True, create=False)
+    if "save_root_metadata" in {f.name for f in dataclasses.fields(
+        ocp.CheckpointManagerOptions)}:
+      options["save_root_metadata"] = False
+    if jax.process_count() > 1 and getattr(jax.config, "jax_enable_recoverability", False):
+      self._barrier = _orbax_barrier.Barrier()
+      options["async_options"] = ocp.AsyncOptions(barrier_sync_fn=self._barrier)
+    return ocp.CheckpointManager(self._path, options=ocp.CheckpointManagerOptions(**options))
+
+  @property
+  def manager(self) -> ocp.CheckpointManager:
+    """The Orbax manager, after a membership change a new one (see
+    :mod:`._orbax_barrier`): the old one's save in flight is abandoned, its
+    error logged, never committed."""
+    if self._barrier is not None and self._barrier.stale():
+      old, self._barrier = self._manager, None
+      try:
+        old.wait_until_finished()
+      except Exception as e:  # noqa: BLE001  (Abandoned, or Orbax's wrapper of it)
+        logger.warning("the Orbax save in flight when a process was replaced is abandoned, "
+                       "not committed: %s", e)
+      self._manager = self._make()
+    return self._manager
 
   @property
   def directory(self) -> str:

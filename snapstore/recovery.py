@@ -73,6 +73,7 @@ TESTED_JAX = ((0, 10), (0, 12))  # the jax versions whose private APIs this uses
 _ORDERS = "snapstore/orders"  # in the coordination service: every order used
 _FAILED = "snapstore/failed"  # membership/block -> the process whose step failed
 _LEFT = "snapstore/left"  # processes that reached close() and disconnected
+_DONE = "snapstore/closing"  # processes that reached close()
 _STALE_TOPOLOGY_KEY = "cpu:global_topology/cpu"
 DEFAULT_ABORT_AFTER_S = 3.0
 _listening_before: set[int] | None = None  # TCP listeners before this process joined
@@ -337,6 +338,7 @@ class InPlace:
         if key != self._key or self._order_name in self._spent:
           self.devices = self._order_for(key, incarnations)
           _group.set_devices(self.devices)
+          _group.set_membership(hashlib.sha256(repr(key).encode()).hexdigest()[:16])
           self.generation += 1
           self._key = key
         if self.changed and self.recoveries and self.recoveries[-1].healed_at is None:
@@ -402,11 +404,19 @@ class InPlace:
     that strands no one. Recoverable processes skip JAX's own shutdown
     barrier, so without this the process hosting the service (process 0,
     unless the supervisor hosts it) could exit while others still talk to it,
-    and they would abort."""
+    and they would abort. Raises ``TimeoutError`` naming the processes that
+    did not reach it in ``timeout_s``."""
     from jax._src import distributed
     if self.watchdog is not None:
       self.watchdog.stop()
-    self._client.wait_at_barrier("snapstore/done", int(timeout_s * 1000))
+    with contextlib.suppress(Exception):  # (only to name the late ones)
+      self._client.key_value_set(f"{_DONE}/{jax.process_index()}", "1", allow_overwrite=True)
+    try:
+      self._client.wait_at_barrier("snapstore/done", int(timeout_s * 1000))
+    except Exception as e:  # (the service's DEADLINE_EXCEEDED, or a death)
+      raise TimeoutError(f"close(): process(es) {self._absent(_DONE)} did not reach the end "
+                         f"of the job in {timeout_s:.0f} s (close(timeout_s=...)): "
+                         f"{e}") from e
     if distributed.global_state.service is None:  # the service is elsewhere
       self._client.key_value_set(f"{_LEFT}/{jax.process_index()}", "1")
       jax.distributed.shutdown()
@@ -415,8 +425,20 @@ class InPlace:
     while (len(self._client.key_value_dir_get(_LEFT)) < jax.process_count() - 1
            and time.monotonic() < deadline):
       time.sleep(self.poll_s)
+    if time.monotonic() >= deadline:
+      logger.warning("close(): process(es) %s did not disconnect in %.0f s; the service "
+                     "stops now", self._absent(_LEFT, but_me=True), timeout_s)
     time.sleep(0.5)  # their disconnect follows their key
     jax.distributed.shutdown()
+
+  def _absent(self, where: str, *, but_me: bool = False) -> list[int]:
+    """The processes without a key under ``where`` (none known: every one)."""
+    try:
+      there = {int(k.rsplit("/", 1)[-1]) for k, _ in self._client.key_value_dir_get(where)}
+    except Exception:  # noqa: BLE001  (the service is gone)
+      there = set()
+    me = {jax.process_index()} if but_me else set()
+    return sorted(set(range(jax.process_count())) - there - me)
 
   def failed(self, error: BaseException) -> None:
     """Call from the ``except job.FAILURES`` branch: the step is discarded,

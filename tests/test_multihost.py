@@ -414,6 +414,25 @@ def test_a_hung_host_is_fenced_and_replaced_in_place(reference, tmp_path, cache_
                       - (reference["times"][str(STEPS)] - reference["times"]["1"]), 2)}))
 
 
+def test_a_host_lost_while_an_orbax_save_commits_heals_in_place(reference, tmp_path, cache_dir):
+  """Host 1 dies right after step 4's async Orbax save is dispatched. The
+  survivors' commit thread waits at a barrier its replacement never
+  reaches: that save is abandoned, never committed (host 1 may not have
+  written its shards), and the job heals in place, bitwise, and saves step
+  4 again (the rewind) and 6. (Orbax's own barrier held every survivor
+  until its 20-minute timeout.)"""
+  ckpt = tmp_path / "ckpt"
+  job = Job(tmp_path, cache_dir, "orbax").run(
+      [Kill(host=1, step=4, phase="persistent")],
+      args=["--hosts-per-domain", "2", "--persistent", str(ckpt), "--checkpoint-every", "2"],
+      in_place=True)
+  check_in_place(job, reference, replaced=[1], restores=1)
+  committed = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+  assert committed == [2, 4, 6], sorted(ckpt.iterdir())
+  survivor = (job.out / "inc0-host0.log").read_text()
+  assert "Orbax save in flight when a process was replaced is abandoned" in survivor
+
+
 def test_losing_process_0_that_hosts_the_service_falls_back_to_a_full_restart(
     reference, tmp_path, cache_dir):
   kill_step = random.Random(14).randint(4, STEPS - 1)
