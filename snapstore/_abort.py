@@ -39,13 +39,67 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Set as AbstractSet
+from collections.abc import Callable, Mapping, Set as AbstractSet
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 BEATS = "snapstore/beats"  # in the coordination service: process -> its last beat
 _LISTEN = "0A"
+_running: Watchdog | None = None  # this process's beating watchdog
+
+
+def running() -> Watchdog | None:
+  """This process's watchdog while it beats (CPU in-place jobs), else None."""
+  return _running
+
+
+class Silence:
+  """Which processes of the membership are gone, judged from outside a
+  ``live()`` block (a wait that is no collective, e.g. an Orbax barrier in
+  the service).
+
+  A process is gone when its beat's token differs from the one it had when
+  the membership formed (``members``: it died and a replacement beats under
+  its id), or when its last beat is older than ``after_s`` by this
+  process's clock and has not changed here for ``after_s / 2`` (it hangs,
+  or died and nothing beats for it yet): as the watchdog judges it, so
+  clock skew alone cannot make a process gone."""
+
+  def __init__(self, client: Any, after_s: float,
+               members: Mapping[int, tuple[str, float]]) -> None:
+    self._client, self.after_s, self._members = client, after_s, members
+    self._seen: dict[int, tuple[float, float]] = {}  # process -> (its beat, when it changed)
+
+  def of(self, processes: AbstractSet[int], *, one: bool = False) -> dict[int, float]:
+    """The gone ones of ``processes``, each with the time of the last beat
+    of the process that is gone (those that never beat are not gone).
+    ``one``: read just that one's beat (``processes`` has one member), not
+    every process's."""
+    if one:
+      (p,) = processes
+      try:
+        rows = [(f"{BEATS}/{p}", self._client.key_value_try_get(f"{BEATS}/{p}"))]
+      except Exception:  # noqa: BLE001  (NOT_FOUND: it never beat)
+        return {}
+    else:
+      rows = self._client.key_value_dir_get(BEATS)
+    now, mono, out = time.time(), time.monotonic(), {}
+    for key, raw in rows:
+      p = int(key.rsplit("/", 1)[-1])
+      if p not in processes:
+        continue
+      beat = json.loads(raw)
+      t, token = float(beat["t"]), beat["process"]
+      was = self._members.get(p)
+      if was is not None and was[0] != token:
+        out[p] = was[1]  # replaced: it died after its beat at the membership's start
+        continue
+      if self._seen.get(p, (None,))[0] != t:
+        self._seen[p] = (t, mono)
+      if now - t > self.after_s and mono - self._seen[p][1] >= self.after_s / 2:
+        out[p] = t
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,17 +201,24 @@ class Watchdog:
                   "process": f"{socket.gethostname()}/{os.getpid()}/{time.time_ns()}"}
     self._block: tuple[float | None, dict[str, str]] = (None, {})
     self._peer_ports: set[int] = set()
+    #: process -> (its beat token, beat time) when the current membership formed
+    self.members: dict[int, tuple[str, float]] = {}
 
   def start(self) -> Watchdog:
     """Starts beating and watching (:meth:`abort` works without it). The
     first beat is written before this returns: a replacement's new token is
     in the service before it can join a membership, so its peers' blocks
     start out knowing it (else they would take it for a new death)."""
+    global _running
     self._write_beat()
     self._thread.start()
+    _running = self
     return self
 
   def stop(self) -> None:
+    global _running
+    if _running is self:
+      _running = None
     self._stop.set()
     if self._thread.is_alive():
       self._thread.join(timeout=5 * self.period_s + 5)  # an RPC may hang: do not
@@ -210,6 +271,14 @@ class Watchdog:
       return
     self._fired_for = since
     self.abort(f"stuck {stuck:.1f} s in a step while process(es) {gone} are gone")
+
+  def remember_members(self) -> None:
+    """Notes every process's beat token now: a new membership formed (each
+    member beat before it joined), for :class:`Silence` to tell a
+    replacement's beat from its predecessor's."""
+    self.members = {int(k.rsplit("/", 1)[-1]): (b["process"], float(b["t"]))
+                    for k, b in ((k, json.loads(raw))
+                                 for k, raw in self._client.key_value_dir_get(BEATS))}
 
   def _write_beat(self) -> None:
     self._client.key_value_set(f"{BEATS}/{self._id}",

@@ -131,6 +131,7 @@ class SnapshotManager:
     check_extra(extra)
     specs, leaves, _ = flatten(state)
     if persist and self.persistent is not None:
+      _faults.point("orbax", step)
       self.persistent.save(step, specs, leaves, extra)
       self.metrics.persistent_saves += 1
       _faults.point("persistent", step)

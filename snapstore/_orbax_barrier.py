@@ -23,17 +23,22 @@ process at the same point, and the job goes on with the next save.
 
 from __future__ import annotations
 
+import collections
+import json
 import threading
 import time
 from typing import Any
 
 import jax
 
-from . import _group
+from . import _abort, _group
 
 NAMESPACE = "snapstore/orbax"
 SLICE_MS = 1000  # how often a waiting process checks the membership
 POLL_S = 0.1  # how often process 0 counts the arrivals
+BEAT_CHECK_S = 1.0  # how often a long wait reads the beats
+KEEP_S = 60.0  # how long process 0 keeps a completed barrier's keys (a waiter reads
+               # `done` within a slice of it being written)
 
 
 class Abandoned(RuntimeError):
@@ -57,18 +62,21 @@ class Barrier:
   the manager's threads end; ``OrbaxTier`` then makes a new manager, on
   every process alike."""
 
-  def __init__(self) -> None:
+  def __init__(self, scope: str = "") -> None:
     self.members = _group.membership()
+    self._scope = f"{scope}/" if scope else ""
     self._lock = threading.Lock()
     self._uses: dict[str, int] = {}
-    self._previous: list[str] = []  # the last barrier process 0 completed: garbage at the next
+    self._completed: collections.deque[tuple[str, float]] = collections.deque()  # process 0
 
   def stale(self) -> bool:
     return _group.membership() != self.members
 
   def __call__(self, *, key: str, timeout_ms: int) -> None:
     """Returns once every process called it with ``key``. Raises
-    :class:`Abandoned` when the membership changed, ``TimeoutError`` after
+    :class:`Abandoned` when the membership changed,
+    :class:`snapstore.recovery.MembersMissing` when a process that did not
+    arrive is gone (module doc), ``TimeoutError`` after
     ``timeout_ms``, naming the processes that did not arrive."""
     if self.stale():
       raise Abandoned(f"Orbax barrier {key!r}: a process was replaced since this save "
@@ -76,10 +84,15 @@ class Barrier:
     client = _client()
     with self._lock:
       n = self._uses[key] = self._uses.get(key, 0) + 1
-    where = f"{NAMESPACE}/{self.members or 'first'}/{key}/{n}"
+    where = f"{NAMESPACE}/{self.members or 'first'}/{self._scope}{key}/{n}"
     me, count = jax.process_index(), jax.process_count()
     client.key_value_set(f"{where}/in/{me}", "1")
-    deadline = time.monotonic() + timeout_ms / 1000
+    began = time.monotonic()
+    deadline = began + timeout_ms / 1000
+    watchdog = _abort.running()
+    silence = (_abort.Silence(client, watchdog.after_s, watchdog.members)
+               if watchdog is not None else None)
+    checked = began
     while True:
       arrived: set[int] = set()
       if me == 0:
@@ -87,10 +100,11 @@ class Barrier:
                    for k, _ in client.key_value_dir_get(f"{where}/in/")}
         if len(arrived) >= count:
           client.key_value_set(f"{where}/done", "1")
-          with self._lock:  # every process is past the one before
-            for old in self._previous:
-              client.key_value_delete(old)
-            self._previous[:] = [where]
+          now = time.monotonic()
+          with self._lock:  # a waiter of one completed KEEP_S ago has long seen it
+            self._completed.append((where, now))
+            while self._completed and now - self._completed[0][1] > KEEP_S:
+              client.key_value_delete(self._completed.popleft()[0])
           return
         time.sleep(POLL_S)
       else:
@@ -104,7 +118,71 @@ class Barrier:
           client.key_value_delete(where)
         raise Abandoned(f"Orbax barrier {key!r}: a process was replaced while this save "
                         "waited; the save is not committed")
+      now = time.monotonic()
+      if (silence is not None and now - began >= silence.after_s / 2
+          and now - checked >= BEAT_CHECK_S):
+        checked = now
+        self._silent(client, where, key, me, count, arrived, silence)
       if time.monotonic() > deadline:
         late = sorted(set(range(count)) - arrived) if me == 0 else "(process 0 knows which)"
         raise TimeoutError(f"Orbax barrier {key!r}: process(es) {late} did not arrive in "
                            f"{timeout_ms / 1000:.0f} s")
+
+  @staticmethod
+  def _silent(client: Any, where: str, key: str, me: int, count: int, arrived: set[int],
+              silence: _abort.Silence) -> None:
+    """Raises ``MembersMissing`` if a process this barrier waits for is gone
+    (process 0 judges those that did not arrive, and tells the rest under
+    ``{where}/failed``; the others judge process 0)."""
+    if me == 0:
+      gone = silence.of(set(range(count)) - arrived)
+      if gone:
+        client.key_value_set(f"{where}/failed", json.dumps(sorted(gone.items())),
+                             allow_overwrite=True)
+    else:
+      try:
+        gone = dict(json.loads(client.key_value_try_get(f"{where}/failed")))
+      except Exception:  # noqa: BLE001  (NOT_FOUND: none yet)
+        gone = silence.of({0}, one=True)
+    if gone:
+      from .recovery import MembersMissing  # (recovery imports this module's users)
+      raise MembersMissing(f"Orbax barrier {key!r}: process(es) {sorted(gone)} are gone "
+                           "(hung, or replaced) and did not arrive",
+                           tuple(sorted(gone)), since=min(gone.values()))
+
+_sync: dict[str | None, Barrier] = {}  # the current membership -> its barrier of Orbax's syncs
+_sync_lock = threading.Lock()
+
+
+def _sync_barrier(*, key: str, timeout_ms: int) -> None:
+  """Orbax's ``sync_global_processes`` over every process, in the current
+  membership's :class:`Barrier` (a new one per membership, its counts
+  fresh on every process alike)."""
+  members = _group.membership()
+  with _sync_lock:
+    barrier = _sync.get(members)
+    if barrier is None:
+      _sync.clear()
+      barrier = _sync[members] = Barrier("sync")
+  barrier(key=key, timeout_ms=timeout_ms)
+
+
+def install() -> None:
+  """Routes every Orbax process sync over all processes in this process
+  through :func:`_sync_barrier` (a subset of processes keeps Orbax's own).
+  For recoverable jobs (``snapstore.recovery.initialize``); idempotent."""
+  try:
+    from orbax.checkpoint._src.multihost import multihost
+  except ImportError:  # (no Orbax: nothing to route)
+    return
+  original = multihost.get_barrier_sync_fn
+  if getattr(original, "snapstore", False):
+    return
+
+  def get_barrier_sync_fn(*, processes: Any = None) -> Any:
+    if processes is None and jax.process_count() > 1:
+      return _sync_barrier
+    return original(processes=processes)
+
+  get_barrier_sync_fn.snapstore = True  # type: ignore[attr-defined]
+  multihost.get_barrier_sync_fn = get_barrier_sync_fn

@@ -56,7 +56,8 @@ class Kill:
   is an error.
 
   ``freeze``: SIGSTOP instead (a host that hangs: alive, silent, never
-  resumed; :func:`launch` fences it in place, see there).
+  resumed; :func:`launch` fences it in place, see there); with a phase the
+  process stops itself there.
 
   ``phase`` None: the supervisor kills it when its store's PROGRESS reports
   ``step`` (it is then in that step's save or the next train step), or
@@ -77,8 +78,6 @@ class Kill:
   freeze: bool = False
 
   def __post_init__(self) -> None:
-    if self.freeze and self.phase is not None:
-      raise ValueError("freeze is for supervisor kills; a phase kill is a SIGKILL")
     if not 0.0 <= self.delay_s < float("inf"):
       raise ValueError(f"delay_s must be a finite number >= 0, got {self.delay_s!r}")
     if self.delay_s and self.phase is not None:
@@ -309,7 +308,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     pending = ([k for k in kills if k.incarnation == number and k.host < hosts]
                + [k for k in carried if k.host < hosts])
     armed: dict[int, list[Kill]] = {}  # what each host's running process was armed with
-    sent: set[int] = set()  # pids this supervisor SIGKILLed (its phase kills did not fire)
+    sent: set[int] = set()  # pids this supervisor signalled (their phase kills did not fire)
     service, extra_env = None, {}
     if in_place:
       from . import recovery  # imports jax: only when asked
@@ -334,7 +333,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       penv.pop(_faults.ENV, None)
       armed[h] = _arming(pending, h)
       if armed[h]:
-        penv[_faults.ENV] = ",".join(f"{k.phase}@{k.step}" for k in armed[h])
+        penv[_faults.ENV] = ",".join(f"{k.phase}@{k.step}" + (":stop" if k.freeze else "")
+                                     for k in armed[h])
       name = f"inc{number}-host{h}" + (f"-r{attempts[h]}" if attempts[h] else "")
       if not log_dir:
         return subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
@@ -373,6 +373,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
             continue
           inc.kill_time = inc.kill_time or time.time()
           if k.freeze:  # alive and silent: no exit for the loop below to see
+            sent.add(procs[k.host].pid)
             procs[k.host].send_signal(signal.SIGSTOP)
           else:
             sent.add(procs[k.host].pid)
@@ -384,6 +385,11 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
         fence_at = now + FENCE_POLL_S
         _fence(inc, procs, started, report_dir, now)
       for h, p in procs.items():
+        if (p.poll() is None and armed.get(h) and armed[h][0].freeze
+            and p.pid not in sent and _stopped(p.pid)):  # it froze at its armed point
+          k = armed.pop(h)[0]
+          _record_kill(inc, k, store_dir, run_id)
+          _fired(k, pending, carried)
         if h in inc.exit_codes or p.poll() is None:
           continue
         code = p.returncode
@@ -458,6 +464,15 @@ def _arming(pending: Sequence[Kill], h: int) -> list[Kill]:
                  and (k.phase != "restore" or k is mine[0])), key=lambda k: k.step)
 
 
+def _stopped(pid: int) -> bool:
+  """Whether process ``pid`` is stopped (SIGSTOP; Linux ``/proc``)."""
+  try:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+  except OSError:
+    return False
+  return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
+
 def _fired(k: Kill, pending: list[Kill], carried: list[Kill]) -> None:
   for where in (pending, carried):  # (by identity: two equal kills are two faults)
     where[:] = [x for x in where if x is not k]
@@ -467,7 +482,8 @@ def _record_kill(inc: Incarnation, k: Kill, store_dir: str | os.PathLike[str],
                  run_id: str) -> None:
   inc.killed.append(k.host)
   inc.kill_time = inc.kill_time or time.time()
-  logger.info("incarnation %d: SIGKILL host %d at step %d%s", inc.number, k.host, k.step,
+  logger.info("incarnation %d: %s host %d at step %d%s", inc.number,
+              "SIGSTOP" if k.freeze else "SIGKILL", k.host, k.step,
               f" ({k.phase})" if k.phase else "")
   if k.lose_store:
     where = host_dir(store_dir, run_id, k.host)

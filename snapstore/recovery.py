@@ -61,7 +61,7 @@ from typing import Any
 
 import jax
 
-from . import _abort, _cache_keys, _group
+from . import _abort, _cache_keys, _group, _orbax_barrier
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +99,14 @@ class PeerFailed(RuntimeError):
 
 class MembersMissing(RuntimeError):
   """Not every process of the job is live (a replacement is starting, or a
-  host hangs: the supervisor fences it). ``processes``: the missing ones."""
+  host hangs: the supervisor fences it). ``processes``: the missing ones;
+  ``since``: when they were last seen, if known (else when this process
+  began to wait)."""
 
-  def __init__(self, message: str, processes: tuple[int, ...] = ()):
+  def __init__(self, message: str, processes: tuple[int, ...] = (),
+               since: float | None = None):
     super().__init__(message)
-    self.processes = processes
+    self.processes, self.since = processes, since
 
 
 def unsupported() -> str | None:
@@ -225,7 +228,9 @@ def _orbax_barriers_in_the_service() -> None:
   in JAX's default order unless told to use the coordination service's
   barriers; after a heal that collective would meet the dead process's
   communicator (see :mod:`._group`). An absl flag; set without parsing
-  the command line."""
+  the command line. Those barriers then go through
+  :func:`._orbax_barrier.install`: membership-bound, in the service's
+  key-value store."""
   try:
     from absl import flags
     from orbax.checkpoint._src.multihost import multihost  # noqa: F401
@@ -237,6 +242,7 @@ def _orbax_barriers_in_the_service() -> None:
     flags.FLAGS[name].present = 1
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
+  _orbax_barrier.install()
 
 
 @dataclasses.dataclass
@@ -291,6 +297,7 @@ class InPlace:
     self._in_a_row = 0
     self._failed_key: tuple[tuple[int, int], ...] | None = None
     self._waiting_since: float | None = None
+    self._body_failed = False  # the last failure came from inside a block
     self.generation = 0
     self.changed = False
     self.devices: list[jax.Device] = _group.devices()
@@ -339,6 +346,9 @@ class InPlace:
           self.devices = self._order_for(key, incarnations)
           _group.set_devices(self.devices)
           _group.set_membership(hashlib.sha256(repr(key).encode()).hexdigest()[:16])
+          if self.watchdog is not None:
+            with contextlib.suppress(Exception):  # (beats unread: only staleness counts)
+              self.watchdog.remember_members()
           self.generation += 1
           self._key = key
         if self.changed and self.recoveries and self.recoveries[-1].healed_at is None:
@@ -352,6 +362,7 @@ class InPlace:
         finally:
           self._block_since = None
       except Exception:  # tell the others before the exit barrier
+        self._body_failed = True
         with contextlib.suppress(Exception):
           self._client.key_value_set(failure, str(jax.process_index()))
         raise
@@ -444,17 +455,22 @@ class InPlace:
     """Call from the ``except job.FAILURES`` branch: the step is discarded,
     the next ``live()`` waits for the full job and sets ``changed``."""
     now = time.time()
-    if isinstance(error, MembersMissing) or isinstance(error.__cause__, MembersMissing):
+    missing = next((e for e in (error, error.__cause__) if isinstance(e, MembersMissing)), None)
+    body, self._body_failed = self._body_failed, False
+    if missing is not None:
       self._waiting_since = self._waiting_since or now
-      missing = error if isinstance(error, MembersMissing) else error.__cause__
-      if isinstance(missing, MembersMissing) and missing.processes:
+      if missing.processes:
         from . import launch  # (the supervisor's side of the protocol)
-        launch.report_missing(missing.processes, self._waiting_since)
-      if now - self._waiting_since > self.wait_timeout_s:
-        raise RestartRequired(f"no replacement joined in {self.wait_timeout_s:.0f} s: "
-                              f"{error}") from error
-      time.sleep(self.poll_s)
-      return
+        # (a report names a process by its host: one last seen before its
+        # replacement started is not about the replacement)
+        launch.report_missing(missing.processes, missing.since or self._waiting_since)
+      if not body:  # live() found it at the entry: nothing ran, wait for the replacement
+        if now - self._waiting_since > self.wait_timeout_s:
+          raise RestartRequired(f"no replacement joined in {self.wait_timeout_s:.0f} s: "
+                                f"{error}") from error
+        time.sleep(self.poll_s)
+        return
+      # (else the block's body found it, e.g. an Orbax barrier: the step failed)
     self._dirty = True
     if self._order_name is not None:
       self._spent.add(self._order_name)
@@ -467,7 +483,10 @@ class InPlace:
     if self._entered != self._failed_key:  # a new membership failed: count anew
       self._failed_key, self._in_a_row = self._entered, 0
     self._in_a_row += 1
-    self.recoveries.append(Recovery(f"{type(error).__name__}: {str(error)[:200]}", now))
+    why = f"{type(error).__name__}: {str(error)[:200]}"
+    if error.__cause__ is not None:  # (e.g. what made a process fail inside the block)
+      why += f" (from {type(error.__cause__).__name__}: {str(error.__cause__)[:200]})"
+    self.recoveries.append(Recovery(why, now))
     logger.warning("step failed (%s); waiting for the job to heal", self.recoveries[-1].error)
     if self._in_a_row >= self.max_failures:
       raise RestartRequired(f"{self._in_a_row} failed steps in a row; the last: "

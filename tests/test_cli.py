@@ -48,7 +48,9 @@ def test_bench_console_script_runs_a_benchmark_from_the_repository_root(tmp_path
 
 def test_a_fault_spec_arms_several_points_and_a_bad_one_is_refused():
   from snapstore import _faults
-  assert _faults.parse("capture@9,restore@-1") == (("capture", 9), ("restore", -1))
+  assert _faults.parse("capture@9,restore@-1") == (("capture", 9, False),
+                                                   ("restore", -1, False))
+  assert _faults.parse("orbax@4:stop") == (("orbax", 4, True),)
   assert _faults.parse("") == ()
   with pytest.raises(ValueError, match="SNAPSTORE_FAULT"):
     _faults.parse("capture@9,bogus@3")

@@ -414,23 +414,35 @@ def test_a_hung_host_is_fenced_and_replaced_in_place(reference, tmp_path, cache_
                       - (reference["times"][str(STEPS)] - reference["times"]["1"]), 2)}))
 
 
-def test_a_host_lost_while_an_orbax_save_commits_heals_in_place(reference, tmp_path, cache_dir):
-  """Host 1 dies right after step 4's async Orbax save is dispatched. The
-  survivors' commit thread waits at a barrier its replacement never
-  reaches: that save is abandoned, never committed (host 1 may not have
-  written its shards), and the job heals in place, bitwise, and saves step
-  4 again (the rewind) and 6. (Orbax's own barrier held every survivor
-  until its 20-minute timeout.)"""
+def test_hosts_lost_or_hung_around_an_orbax_save_heal_in_place(reference, tmp_path, cache_dir):
+  """Two faults around async Orbax saves, each healed in place, bitwise.
+
+  Host 1 dies right after step 4's save is dispatched: the survivors'
+  commit thread waits at a barrier its replacement never reaches; that save
+  is abandoned, never committed (host 1 may not have written its shards),
+  and step 4 is saved again after the rewind. (Orbax's own barrier held
+  every survivor until its 20-minute timeout.)
+
+  Host 2 then freezes (SIGSTOP) just before step 6's save: the others wait
+  for it inside theirs, outside any collective, so no watchdog abort frees
+  them. The barrier sees its beats stop and ends with ``MembersMissing`` on
+  every survivor; they report it, the supervisor fences it. (In the
+  service's own barrier they waited out Orbax's timeout.)"""
   ckpt = tmp_path / "ckpt"
   job = Job(tmp_path, cache_dir, "orbax").run(
-      [Kill(host=1, step=4, phase="persistent")],
+      [Kill(host=1, step=4, phase="persistent"),
+       Kill(host=2, step=6, phase="orbax", freeze=True)],
       args=["--hosts-per-domain", "2", "--persistent", str(ckpt), "--checkpoint-every", "2"],
       in_place=True)
-  check_in_place(job, reference, replaced=[1], restores=1)
+  check_in_place(job, reference, replaced=[1, 2], restores=2)
+  inc = job.incs[0]
+  assert inc.killed == [1, 2] and [f["host"] for f in inc.fenced] == [2], inc
   committed = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
   assert committed == [2, 4, 6], sorted(ckpt.iterdir())
   survivor = (job.out / "inc0-host0.log").read_text()
   assert "Orbax save in flight when a process was replaced is abandoned" in survivor
+  assert "are gone (hung, or replaced) and did not arrive" in "".join(
+      r["error"] for r in in_place_reports(job, 0)[-1]["recoveries"])
 
 
 def test_losing_process_0_that_hosts_the_service_falls_back_to_a_full_restart(
