@@ -156,20 +156,21 @@ class Held:
   def record(self, leaf: int, region: Index) -> PieceRecord:
     return PieceTable.record(self.exact[(leaf, region)])
 
-  def overlaps(self, leaf: int, region: Index) -> bool:
-    """True if some copy of ``leaf`` here overlaps ``region``."""
+  def overlapping(self, leaf: int, regions: Sequence[Index]) -> np.ndarray:
+    """For each of ``regions`` (of ``leaf``), whether some copy here
+    overlaps it: one vectorized test a leaf, not one a region."""
     bounds = self._bounds.get(leaf)
     if bounds is None:
-      regions = self._regions.get(leaf)
-      if not regions:
-        return False
-      arr = np.array(regions, np.int64)  # (pieces, dims, 2)
+      pieces = self._regions.get(leaf)
+      if not pieces:
+        return np.zeros(len(regions), bool)
+      arr = np.array(pieces, np.int64)  # (pieces, dims, 2)
       bounds = self._bounds[leaf] = (arr[..., 0], arr[..., 1])
     lo, hi = bounds
     if not lo.shape[1]:  # 0-d leaves: every piece is the whole leaf
-      return True
-    r = np.array(region, np.int64)
-    return bool(((lo < r[:, 1]) & (r[:, 0] < hi)).all(axis=1).any())
+      return np.ones(len(regions), bool)
+    r = np.array(regions, np.int64)  # (regions, dims, 2)
+    return ((lo[None] < r[:, None, :, 1]) & (r[:, None, :, 0] < hi[None])).all(axis=2).any(axis=1)
 
 
 def local_needs(held: Held, target_specs: Sequence[LeafSpec], targets: Sequence[Any]
@@ -203,8 +204,11 @@ def decode_needs(blobs: Sequence[bytes]) -> tuple[list[Need], list[int]]:
     if lacks:
       lacking.append(host)
     for pos, flat, own_bad in rows:
-      region = tuple((int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2))
-      needs.append(Need(host, int(pos), region, bool(own_bad)))
+      if len(flat) % 2:
+        raise ValueError(f"host {host}'s needs: a region with an odd count of bounds")
+      bounds = iter(map(int, flat))
+      needs.append(Need(host, int(pos), tuple(zip(bounds, bounds, strict=False)),
+                        bool(own_bad)))
   return needs, lacking
 
 
@@ -222,15 +226,19 @@ def holder_values(held: Held, needs: Sequence[Need], target_specs: Sequence[Leaf
     check_compatible(held.manifest.leaves, target_specs, step=held.manifest.step)
   except errors.TreeMismatchError:
     out[-1] = 0
+  near: dict[int, list[int]] = {}  # leaf -> the needs it holds no exact copy of
   for i, need in enumerate(needs):
     leaf = held.leaf_of(target_specs[need.pos])
     if leaf is None:
       continue
-    rank = (held.host - need.needer) % num_hosts
     if (leaf, need.region) in held.exact:
-      out[i] = rank
-    elif held.overlaps(leaf, need.region):
-      out[len(needs) + i] = rank
+      out[i] = (held.host - need.needer) % num_hosts
+    else:
+      near.setdefault(leaf, []).append(i)
+  for leaf, which in near.items():
+    hits = held.overlapping(leaf, [needs[i].region for i in which])
+    for i in np.asarray(which)[hits].tolist():
+      out[len(needs) + i] = (held.host - needs[i].needer) % num_hosts
   return out
 
 
@@ -245,18 +253,21 @@ def verdict(needs: Sequence[Need], mins: np.ndarray, cand: Candidate, num_hosts:
     exact, near = int(mins[i]), int(mins[n + i])
     if exact != NONE:
       holders.append((need.needer + exact) % num_hosts)
-      continue
-    what = f"host {need.needer}'s piece {list(need.region)} of leaf {target_specs[need.pos].path!r}"
-    if near != NONE:
-      layout = layout or what
+    elif near != NONE:
+      layout = layout or _what(need, target_specs)
     elif cand.parity:
       holders.append(REBUILT)
     else:
-      return Lost(f"step {cand.step}: no surviving copy of {what}")
+      return Lost(f"step {cand.step}: no surviving copy of {_what(need, target_specs)}")
   if layout is not None:
     return Fallback(f"the target layout differs from the saved one ({layout} is no saved "
                     "piece)")
   return tuple(holders)
+
+
+def _what(need: Need, target_specs: Sequence[LeafSpec]) -> str:
+  return (f"host {need.needer}'s piece {list(need.region)} of leaf "
+          f"{target_specs[need.pos].path!r}")
 
 
 # ------------------------------------------------------------------- rows
