@@ -50,7 +50,9 @@ class _System:
   def close(self) -> None: ...
 
 
-def _systems(work: Any, mesh: Any, abstract: Any) -> list[Any]:
+def _systems(work: Any, mesh: Any, abstract: Any) -> dict[str, Any]:
+  """Each system's name and how to make it (made only when chosen: the
+  cold path of one must not be warmed by making another)."""
   import orbax.checkpoint as ocp
   from orbax.checkpoint.experimental.v1.training.pathways import Snapshotter
 
@@ -125,16 +127,17 @@ def _systems(work: Any, mesh: Any, abstract: Any) -> list[Any]:
     def close(self):
       self.m.close()
 
-  return [Snap(), Snap(snapstore.StoreKind.HOST_FILES), OrbaxSnapshotter(), OrbaxRamfs()]
+  return {"snapstore": Snap,
+          "snapstore_host_files": lambda: Snap(snapstore.StoreKind.HOST_FILES),
+          "orbax_snapshotter": OrbaxSnapshotter, "orbax_local_ramfs": OrbaxRamfs}
 
 
-def run(mb: int, repeats: int, only: Sequence[str] | None = None,
-        leaves: int | None = None) -> dict:
-  """``leaves``: the same bytes split over this many leaves (default: 16 MB
-  leaves)."""
+def make_state(mb: int, leaves: int | None = None) -> tuple[Any, dict[str, Any], Any]:
+  """(mesh, state, abstract): ``mb`` MB of float32 leaves on a (replica=2,
+  model=4) mesh, sharded over ``model`` (16 MB leaves, or the bytes split
+  over ``leaves``)."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh((2, 4), ("replica", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -147,19 +150,37 @@ def run(mb: int, repeats: int, only: Sequence[str] | None = None,
   make = jax.jit(lambda k: jax.random.normal(k, (elems // 1024, 1024), jnp.float32),
                  out_shardings=sharding)
   state = {f"w{i}": make(jax.random.key(i)) for i in range(n)}
-  nbytes = sum(x.nbytes for x in state.values())
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                           state)
+  return mesh, jax.block_until_ready(state), abstract
+
+
+def systems(work: Any, mesh: Any, abstract: Any, only: Sequence[str] | None = None
+            ) -> list[Any]:
+  """The systems compared, those named in ``only`` (default all)."""
+  return [make() for name, make in _systems(work, mesh, abstract).items()
+          if only is None or name in only]
+
+
+def run(mb: int, repeats: int, only: Sequence[str] | None = None,
+        leaves: int | None = None) -> dict:
+  """``leaves``: the same bytes split over this many leaves (default: 16 MB
+  leaves)."""
+  import jax
+  import numpy as np
+  mesh, state, abstract = make_state(mb, leaves)
+  n = len(state)
+  nbytes = sum(x.nbytes for x in state.values())
   work = ram_dir("snapstore-vs-orbax-")
   times: dict[str, dict[str, list[float]]] = {}
   try:
-    systems = [x for x in _systems(work, mesh, abstract) if only is None or x.name in only]
+    chosen = systems(work, mesh, abstract, only)
     # Two rounds warm up (allocation, compilation): snapstore's stores with
     # keep=1 write two slots in turn, and the second slot's first touch
     # (the kernel faulting in fresh memory) would fall in the first timed
     # round.
     for r in range(repeats + _WARMUP):
-      for sys_ in systems:
+      for sys_ in chosen:
         t = time.perf_counter()
         sys_.save(r + 1, state)
         ret = time.perf_counter() - t
@@ -177,7 +198,7 @@ def run(mb: int, repeats: int, only: Sequence[str] | None = None,
           row["save_return_s"].append(ret)
           row["save_complete_s"].append(done)
           row["restore_s"].append(rest)
-    for sys_ in systems:
+    for sys_ in chosen:
       sys_.close()
   finally:
     cleanup(work)

@@ -35,7 +35,7 @@ from . import _abort, _group
 
 NAMESPACE = "snapstore/orbax"
 SLICE_MS = 1000  # how often a waiting process checks the membership
-POLL_S = 0.1  # how often process 0 counts the arrivals
+POLL_S = 0.1  # how often process 0 counts the arrivals, at most (from 2 ms, doubling)
 BEAT_CHECK_S = 1.0  # how often a long wait reads the beats
 KEEP_S = 60.0  # how long process 0 keeps a completed barrier's keys (a waiter reads
                # `done` within a slice of it being written)
@@ -92,7 +92,7 @@ class Barrier:
     watchdog = _abort.running()
     silence = (_abort.Silence(client, watchdog.after_s, watchdog.members)
                if watchdog is not None else None)
-    checked = began
+    checked, poll = began, 0.002
     while True:
       arrived: set[int] = set()
       if me == 0:
@@ -106,7 +106,8 @@ class Barrier:
             while self._completed and now - self._completed[0][1] > KEEP_S:
               client.key_value_delete(self._completed.popleft()[0])
           return
-        time.sleep(POLL_S)
+        time.sleep(poll)
+        poll = min(POLL_S, 2 * poll)
       else:
         try:
           client.blocking_key_value_get(f"{where}/done", SLICE_MS)

@@ -9,6 +9,7 @@ import pytest
 from benchmarks import (
   capture,
   checksum,
+  cold,
   demo_overhead,
   goodput,
   multihost,
@@ -92,6 +93,16 @@ def test_vs_orbax_snapshotter_benchmark_smoke(tmp_path):
   assert set(result["over_floor"]) == {"snapstore", "snapstore_host_files"}
   _positive(*result["floor"].values(),
             *[v for row in result["over_floor"].values() for v in row.values()])
+
+
+def test_cold_benchmark_times_each_system_in_a_fresh_process(tmp_path):
+  result = _run(cold, ["--mb", "4", "--runs", "1", "--leaves", "0", "--warm", "1"],
+                tmp_path / "c.json")
+  (row,) = result["by_leaves"].values()
+  assert set(row["systems"]) == {"snapstore", "snapstore_host_files", "orbax_snapshotter"}
+  assert set(row["over_orbax"]) == {"snapstore", "snapstore_host_files"}
+  _positive(*[v for m in row["systems"].values() for v in m.values()],
+            *[v for m in row["over_orbax"].values() for v in m.values()])
 
 
 def test_multihost_benchmark_smoke(tmp_path):

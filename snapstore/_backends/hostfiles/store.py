@@ -38,7 +38,7 @@ from typing import cast
 import msgpack
 import numpy as np
 
-from ... import _faults, _planner, errors
+from ... import _arena, _faults, _planner, errors
 from ..._index import align
 from ..._manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode, kept_copy, write_atomic
 from ..base import NO_PROGRESS
@@ -232,11 +232,14 @@ class HostStore:
       except BaseException:
         os.unlink(path)  # never a full-size sparse file left to be reused
         raise
-      mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+      mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     finally:
       os.close(fd)
+    # First touch here, not in the copy: every page mapped writable, in
+    # chunks with the GIL released (its pages are allocated and zero
+    # already: writing zeros over them, as this did, cost a pass over the slot).
+    _arena._populate(mm)
     arr = np.frombuffer(mm, dtype=np.uint8)
-    arr[:] = 0  # first touch here, not in the hot path.
     self._maps[i] = (mm, arr)
     self._inodes[i] = os.lstat(self._slot_path(i)).st_ino
 
