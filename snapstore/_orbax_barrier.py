@@ -19,11 +19,33 @@ waiting one within a slice, so its save is never committed (a process may
 have died before it wrote its shards) and its threads end. ``OrbaxTier``
 then waits for them, drops the error and makes a new manager, on every
 process at the same point, and the job goes on with the next save.
+
+Orbax's other process syncs (``sync_global_processes``: the start and end
+of every save, restores, directory creation), which it would hold in the
+service's own barriers, go through :func:`install` to this process's
+:class:`Barrier` of the current membership, on the main thread while a
+watchdog beats: those barriers in the service do not end when a process
+hangs or is replaced, and a survivor waiting in one would never reach the
+step's failure path.
+
+A process that hangs (alive, silent) before it reaches a barrier of a save
+holds the others there, outside any collective, so the watchdog's abort
+(:mod:`._abort`) cannot free them. While a watchdog beats, a barrier that
+has waited the watchdog's ``after_s`` reads, once a second, the ``live()``
+block's failure key (a process whose step failed will not come:
+``PeerFailed``) and the beats: process 0 those of the processes that did
+not arrive, the others process 0's and a ``failed`` key that process 0
+writes. A process that is gone (:class:`._abort.Silence`: replaced, or
+silent for twice ``after_s``, since the verdict fences it) ends the barrier
+on every process with :class:`snapstore.recovery.MembersMissing` naming
+it: the training loop reports it, the supervisor fences and replaces it,
+and the job heals.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import threading
 import time
@@ -90,7 +112,8 @@ class Barrier:
     began = time.monotonic()
     deadline = began + timeout_ms / 1000
     watchdog = _abort.running()
-    silence = (_abort.Silence(client, watchdog.after_s, watchdog.members)
+    # (a verdict here fences the process: twice the silence of a watchdog abort)
+    silence = (_abort.Silence(client, 2 * watchdog.after_s, watchdog.members)
                if watchdog is not None else None)
     checked, poll = began, 0.002
     while True:
@@ -134,7 +157,13 @@ class Barrier:
               silence: _abort.Silence) -> None:
     """Raises ``MembersMissing`` if a process this barrier waits for is gone
     (process 0 judges those that did not arrive, and tells the rest under
-    ``{where}/failed``; the others judge process 0)."""
+    ``{where}/failed``; the others judge process 0), ``PeerFailed`` if a
+    process's step failed in this ``live()`` block (it will not come)."""
+    from .recovery import MembersMissing, PeerFailed, failed_in_block  # (it imports this)
+    who = failed_in_block(client)
+    if who is not None:
+      raise PeerFailed(f"process {who} failed this step while the others waited at Orbax "
+                       f"barrier {key!r}")
     if me == 0:
       gone = silence.of(set(range(count)) - arrived)
       if gone:
@@ -146,7 +175,6 @@ class Barrier:
       except Exception:  # noqa: BLE001  (NOT_FOUND: none yet)
         gone = silence.of({0}, one=True)
     if gone:
-      from .recovery import MembersMissing  # (recovery imports this module's users)
       raise MembersMissing(f"Orbax barrier {key!r}: process(es) {sorted(gone)} are gone "
                            "(hung, or replaced) and did not arrive",
                            tuple(sorted(gone)), since=min(gone.values()))
@@ -155,10 +183,16 @@ _sync: dict[str | None, Barrier] = {}  # the current membership -> its barrier o
 _sync_lock = threading.Lock()
 
 
-def _sync_barrier(*, key: str, timeout_ms: int) -> None:
-  """Orbax's ``sync_global_processes`` over every process, in the current
-  membership's :class:`Barrier` (a new one per membership, its counts
-  fresh on every process alike)."""
+def _sync_barrier(original: Any, *, key: str, timeout_ms: int) -> None:
+  """Orbax's ``sync_global_processes`` over every process: on the main
+  thread while a watchdog beats (CPU), in the current membership's
+  :class:`Barrier` (a new one per membership, its counts fresh on every
+  process alike); elsewhere Orbax's own (``original``): a background
+  thread may outlive its membership, and its late call would miscount the
+  next one's, and without beats a gone process cannot be told."""
+  if _abort.running() is None or threading.current_thread() is not threading.main_thread():
+    original(processes=None)(key=key, timeout_ms=timeout_ms)
+    return
   members = _group.membership()
   with _sync_lock:
     barrier = _sync.get(members)
@@ -169,7 +203,7 @@ def _sync_barrier(*, key: str, timeout_ms: int) -> None:
 
 
 def install() -> None:
-  """Routes every Orbax process sync over all processes in this process
+  """Routes Orbax's process syncs over all processes in this process
   through :func:`_sync_barrier` (a subset of processes keeps Orbax's own).
   For recoverable jobs (``snapstore.recovery.initialize``); idempotent."""
   try:
@@ -182,7 +216,7 @@ def install() -> None:
 
   def get_barrier_sync_fn(*, processes: Any = None) -> Any:
     if processes is None and jax.process_count() > 1:
-      return _sync_barrier
+      return functools.partial(_sync_barrier, original)
     return original(processes=processes)
 
   get_barrier_sync_fn.snapstore = True  # type: ignore[attr-defined]

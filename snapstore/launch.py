@@ -385,11 +385,12 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
         fence_at = now + FENCE_POLL_S
         _fence(inc, procs, started, report_dir, now)
       for h, p in procs.items():
-        if (p.poll() is None and armed.get(h) and armed[h][0].freeze
-            and p.pid not in sent and _stopped(p.pid)):  # it froze at its armed point
-          k = armed.pop(h)[0]
-          _record_kill(inc, k, store_dir, run_id)
-          _fired(k, pending, carried)
+        freeze = next((k for k in armed.get(h, ()) if k.freeze), None)
+        if (freeze is not None and p.poll() is None and p.pid not in sent
+            and _stopped(p.pid)):  # it froze at its (first) armed freeze
+          del armed[h]
+          _record_kill(inc, freeze, store_dir, run_id)
+          _fired(freeze, pending, carried)
         if h in inc.exit_codes or p.poll() is None:
           continue
         code = p.returncode
@@ -465,12 +466,13 @@ def _arming(pending: Sequence[Kill], h: int) -> list[Kill]:
 
 
 def _stopped(pid: int) -> bool:
-  """Whether process ``pid`` is stopped (SIGSTOP; Linux ``/proc``)."""
+  """Whether process ``pid`` is stopped by a signal (SIGSTOP; not a
+  debugger's trace stop; Linux ``/proc``)."""
   try:
     stat = Path(f"/proc/{pid}/stat").read_text()
   except OSError:
     return False
-  return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+  return stat.rsplit(")", 1)[-1].split()[0] == "T"
 
 
 def _fired(k: Kill, pending: list[Kill], carried: list[Kill]) -> None:

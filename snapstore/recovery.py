@@ -97,6 +97,23 @@ class PeerFailed(RuntimeError):
   """Another process's step failed; this one's is discarded too."""
 
 
+_block_failure: str | None = None  # the key of the live() block this process is in
+
+
+def failed_in_block(client: Any) -> str | None:
+  """The process whose step failed in the ``live()`` block this process is
+  in (it wrote the block's failure key), or None: for a wait inside the
+  block that is no collective (an Orbax barrier), which that process will
+  never reach."""
+  key = _block_failure
+  if key is None:
+    return None
+  try:
+    return str(client.key_value_try_get(key))
+  except Exception:  # noqa: BLE001  (NOT_FOUND: none failed)
+    return None
+
+
 class MembersMissing(RuntimeError):
   """Not every process of the job is live (a replacement is starting, or a
   host hangs: the supervisor fences it). ``processes``: the missing ones;
@@ -326,6 +343,8 @@ class InPlace:
     process is missing; on exit ``ProcessFailureError`` if one died, or
     :class:`PeerFailed` if the body raised on another process: a failure
     anywhere fails the step everywhere, so every process restores together."""
+    global _block_failure
+    self._body_failed = False
     with self._live_devices(self._all) as devices:
       live = self._live_devices.devices
       assert live is not None  # set on entering the block
@@ -347,8 +366,10 @@ class InPlace:
           _group.set_devices(self.devices)
           _group.set_membership(hashlib.sha256(repr(key).encode()).hexdigest()[:16])
           if self.watchdog is not None:
-            with contextlib.suppress(Exception):  # (beats unread: only staleness counts)
+            try:
               self.watchdog.remember_members()
+            except Exception:  # noqa: BLE001  (beats unread: only staleness counts)
+              self.watchdog.members = {}
           self.generation += 1
           self._key = key
         if self.changed and self.recoveries and self.recoveries[-1].healed_at is None:
@@ -357,10 +378,12 @@ class InPlace:
         self._dirty = False
         self._waiting_since = None
         self._block_since = time.monotonic()
+        _block_failure = failure
         try:
           yield self.devices
         finally:
           self._block_since = None
+          _block_failure = None
       except Exception:  # tell the others before the exit barrier
         self._body_failed = True
         with contextlib.suppress(Exception):
