@@ -98,8 +98,9 @@ class Barrier:
     """Returns once every process called it with ``key``. Raises
     :class:`Abandoned` when the membership changed,
     :class:`snapstore.recovery.MembersMissing` when a process that did not
-    arrive is gone (module doc), ``TimeoutError`` after
-    ``timeout_ms``, naming the processes that did not arrive."""
+    arrive is gone, :class:`snapstore.recovery.PeerFailed` when a process's
+    step failed in this ``live()`` block (module doc), ``TimeoutError``
+    after ``timeout_ms``, naming the processes that did not arrive."""
     if self.stale():
       raise Abandoned(f"Orbax barrier {key!r}: a process was replaced since this save "
                       "began; the save is not committed")
@@ -146,14 +147,14 @@ class Barrier:
       if (silence is not None and now - began >= silence.after_s / 2
           and now - checked >= BEAT_CHECK_S):
         checked = now
-        self._silent(client, where, key, me, count, arrived, silence)
+        self._give_up_if_gone(client, where, key, me, count, arrived, silence)
       if time.monotonic() > deadline:
         late = sorted(set(range(count)) - arrived) if me == 0 else "(process 0 knows which)"
         raise TimeoutError(f"Orbax barrier {key!r}: process(es) {late} did not arrive in "
                            f"{timeout_ms / 1000:.0f} s")
 
   @staticmethod
-  def _silent(client: Any, where: str, key: str, me: int, count: int, arrived: set[int],
+  def _give_up_if_gone(client: Any, where: str, key: str, me: int, count: int, arrived: set[int],
               silence: _abort.Silence) -> None:
     """Raises ``MembersMissing`` if a process this barrier waits for is gone
     (process 0 judges those that did not arrive, and tells the rest under
@@ -178,6 +179,7 @@ class Barrier:
       raise MembersMissing(f"Orbax barrier {key!r}: process(es) {sorted(gone)} are gone "
                            "(hung, or replaced) and did not arrive",
                            tuple(sorted(gone)), since=min(gone.values()))
+
 
 _sync: dict[str | None, Barrier] = {}  # the current membership -> its barrier of Orbax's syncs
 _sync_lock = threading.Lock()
