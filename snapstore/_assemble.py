@@ -55,10 +55,14 @@ class BadCopy(Exception):
   assembler tries the next copy; the manager re-plans when none is left)."""
 
   def __init__(self, key: CopyKey, leaf: str, *, why: str = "checksum mismatch",
-               holder: str | None = None):
+               holder: str | None = None, lost_store: int | None = None):
     super().__init__(f"{why} in {what_copy(key, leaf)} held by {holder or f'host {key[0]}'}")
     self.key = key
     self.leaf = leaf
+    #: the store whose memory raised a JAX runtime error on read (its domain
+    #: is gone, e.g. DATA_LOSS on Pathways): the manager forgets it and plans
+    #: again without it. None: only this copy is bad.
+    self.lost_store = lost_store
 
 
 class PieceSource(Protocol):
@@ -121,6 +125,7 @@ class Assembler:
     self.bytes_read = 0
     self.bytes_rebuilt = 0  # pieces rebuilt from parity
     self.bad: dict[CopyKey, BadCopy] = {}  # copies found bad (the manager notes them)
+    self.lost_stores: set[int] = set()  # stores that raised on read (BadCopy.lost_store)
 
   def _first_good(self, key: tuple[int, Index], device: jax.Device | None,
                   out: np.ndarray | None = None
@@ -128,20 +133,24 @@ class Assembler:
     """(the first copy of ``key`` held here that verifies, or None; the bad
     copies met on the way; its bytes). Changes nothing: threads may run it."""
     found: list[BadCopy] = []
+    lost = set(self.lost_stores)
     for copy in self.plan.copies[key]:
-      if not self.source.holds(copy.store) or (self.bad and copy.key(self.plan.step) in self.bad):
+      if (not self.source.holds(copy.store) or copy.store in lost
+          or (self.bad and copy.key(self.plan.step) in self.bad)):
         continue
       try:
         got = self.source.fetch(self.plan, copy, device, out=out)
         return got, found, copy.record.nbytes
       except BadCopy as e:
         found.append(e)
+        if e.lost_store is not None:  # none of its copies is read again
+          lost.add(e.lost_store)
     return None, found, 0
 
   def _keep(self, key: tuple[int, Index], got: Stored | None, found: list[BadCopy],
             nbytes: int) -> None:
     for e in found:
-      self.bad[e.key] = e
+      self.mark_bad(e)
     if got is not None:
       self._verified[key] = got
       self.bytes_read += nbytes
@@ -275,14 +284,20 @@ class Assembler:
       try:
         self.source.check(self.plan, copy)
       except BadCopy as e:
-        self.bad[e.key] = e
+        self.mark_bad(e)
+
+  def mark_bad(self, e: BadCopy) -> None:
+    """Records a bad copy (and its store, if the store itself is lost)."""
+    self.bad[e.key] = e
+    if e.lost_store is not None:
+      self.lost_stores.add(e.lost_store)
 
   def block(self, copy: Copy) -> np.ndarray:
     """A parity block's verified bytes (flat uint8); raises :class:`BadCopy`."""
     try:
       got = self.source.fetch(self.plan, copy, None)
     except BadCopy as e:
-      self.bad[e.key] = e
+      self.mark_bad(e)
       raise
     self.bytes_read += copy.record.nbytes
     return np.asarray(got).reshape(-1).view(np.uint8)

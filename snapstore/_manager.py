@@ -362,10 +362,12 @@ class SnapshotManager:
         t = time.perf_counter()
         assembler = Assembler(plan, self.backend, arenas=self._arenas)
         got = self._peers.assemble(assembler, target_specs, targets)
-        for why in got.bad.values():  # one note per bad copy found
-          notes.append(f"step {plan.step}: {why}; using another copy or an older step")
-          logger.warning(notes[-1])
+        for key, why in got.bad.items():  # one note per bad copy found
+          if key not in assembler.bad or assembler.bad[key].lost_store is None:
+            notes.append(f"step {plan.step}: {why}; using another copy or an older step")
+            logger.warning(notes[-1])
         bad.update(got.bad)
+        manifests = self._forget_unreadable(assembler, manifests, notes)
         if got.leaves is None:
           continue
         timings["read"] = time.perf_counter() - t
@@ -429,6 +431,22 @@ class SnapshotManager:
                   result.step, new)
       self.incarnation = new
     return result
+
+  def _forget_unreadable(self, assembler: Assembler, manifests: list[Any],
+                         notes: list[str]) -> list[Any]:
+    """Single controller: a store whose memory raised a JAX runtime error
+    on read (its slice is gone; Pathways says DATA_LOSS) is a lost domain,
+    forgotten as on an elastic event; the next plan uses the others only.
+    The manifests left to plan from."""
+    lost = sorted(assembler.lost_stores)
+    if not lost or self._peers.multi_host:
+      return manifests
+    why = next(str(e) for e in assembler.bad.values() if e.lost_store == lost[0])
+    notes.append(f"step {assembler.plan.step}: the stores of domains {lost} raised on read "
+                 f"({why}): treated as lost; planning from the others")
+    logger.warning(notes[-1])
+    self.forget_domains(lost, "its store raised on read")
+    return self.backend.manifests()
 
   def _branch_from(self, step: int, manifests: Sequence[Any]) -> None:
     """Restoring ``step`` when this incarnation already saved later steps

@@ -326,3 +326,42 @@ def test_maxtext_config_mapping_and_hook(store_dir, tmp_path):
   assert start == 5 and hook.last_restore.source.value == "snapshot"  # step 4
   assert_bitwise_equal(host_copy(make_state(devs, 4)), state)
   hook.close()
+
+
+def test_a_store_that_raises_on_read_is_a_lost_domain(store_dir, monkeypatch):
+  """On Pathways, reading a lost slice's pinned arrays raises DATA_LOSS.
+  A restore that meets that from one slice's store forgets the slice (as an
+  elastic event would) and plans again from the other: the step restores
+  bitwise from the cross-slice copies, and the raising store is read no more.
+  Slice 0's store raises: the planner reads it first."""
+  from snapstore import SnapshotManager
+  from snapstore._backends.pinned.store import PinnedHostStore
+  devs = jax.devices()
+  s2d = {0: devs[:4], 1: devs[4:]}
+  with SnapshotManager(SnapshotOptions(store_dir=store_dir, run_id="raising", keep=2),
+                       slices=s2d) as mgr:
+    for step in (1, 2):
+      state = make_state(devs, step)
+      mgr.save(step, state)
+    mgr.wait_until_finished()
+    expected = host_copy(state)
+    dead = mgr.backend.stores[0]
+    reads = []
+    real_part = PinnedHostStore.part
+
+    def part(self, slot, position):
+      if self is dead:
+        reads.append((slot, position))
+        raise jax.errors.JaxRuntimeError("DATA_LOSS: Simulated device loss error")
+      return real_part(self, slot, position)
+    monkeypatch.setattr(PinnedHostStore, "part", part)
+    r = mgr.restore(abstract(devs))
+    assert reads, "the test must make the restore read slice 0's store"
+    assert r.step == 2 and r.source.value == "snapshot" and r.rewind_steps == 0
+    assert_bitwise_equal(expected, r.state)
+    assert any("domains [0] raised on read" in n for n in r.notes), r.notes
+    assert dead.manifests() == []  # forgotten: a later plan never reads it
+    n = len(reads)
+    again = mgr.restore(abstract(devs))
+    assert again.step == 2 and len(reads) == n
+    assert_bitwise_equal(expected, again.state)

@@ -164,9 +164,12 @@ class PinnedHostBackend(DomainStores):
         got = jax.device_put(stored, SingleDeviceSharding(on))
         ok = as_checksum(device_checksum(got)) == tuple(rec.checksum)
     except (RuntimeError, KeyError) as e:  # JaxRuntimeError (slice lost), freed buffers
+      # A JAX runtime error is the slice's memory gone (DATA_LOSS on
+      # Pathways): every copy it holds is lost, not just this one.
+      lost = copy.store if isinstance(e, jax.errors.JaxRuntimeError) else None
       raise BadCopy(copy.key(plan.step), path,
                     why=f"unreadable ({str(e).splitlines()[0] if str(e) else e!r})",
-                    holder=holder) from e
+                    holder=holder, lost_store=lost) from e
     if not ok or got is None:
       raise BadCopy(copy.key(plan.step), path, holder=holder)
     return got
@@ -193,7 +196,8 @@ class PinnedHostBackend(DomainStores):
     for device, index in wanted:
       found = None
       for copy in plan.copies.get((leaf, index), ()):
-        if copy.key(plan.step) in assembler.bad or not self.holds(copy.store):
+        if (copy.key(plan.step) in assembler.bad or not self.holds(copy.store)
+            or copy.store in assembler.lost_stores):
           continue
         stored = self._stored(copy)
         if isinstance(stored, jax.Array) and _alive_on(stored, device):
