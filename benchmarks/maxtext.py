@@ -90,6 +90,41 @@ def run_job(work: Path, name: str, *, steps: int, period: int, snapshots: bool,
   return incs, report
 
 
+def run_elastic(work: Path, name: str, *, steps: int, period: int, snapshots: bool,
+                cache_dir: Path, resize: bool = False, lose: Sequence[int] = (),
+                back: int | None = None, flip: Sequence[int] = (), replicas: int = 1,
+                timeout_s: float = 300) -> dict[str, Any]:
+  """One single-controller elastic MaxText job (``benchmarks._maxtext_elastic``:
+  8 CPU devices as 2 slices) in a fresh process: pause-resume, or
+  replica-resize with ``resize``. Returns host 0's report, with the worker's
+  fault log under ``"worker"``; raises with the log's tail if it failed."""
+  import os
+  import subprocess
+  import sys
+  out = work / name
+  args = [sys.executable, "-m", "benchmarks._maxtext_elastic", "--out", str(out),
+          "--lose", *map(str, lose), "--flip", *map(str, flip),
+          *(["--back", str(back)] if back is not None else []), "--",
+          base_yml(), *TINY, "dataset_type=synthetic", f"steps={steps}",
+          f"checkpoint_period={period}", f"run_name={name}",
+          f"base_output_directory={work / 'orbax'}", f"jax_cache_dir={cache_dir}",
+          f"snapshot_store_dir={work / 'store'}", f"snapshot_interval={int(snapshots)}",
+          "snapshot_keep=2", f"snapshot_replicas={replicas}",
+          "enable_single_controller=true", "elastic_enabled=true", "elastic_max_retries=4",
+          "elastic_timeout_seconds=60", f"elastic_min_slice_count={1 if resize else -1}"]
+  log = work / f"{name}.log"
+  with open(log, "wb") as f:
+    rc = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                        cwd=Path(__file__).resolve().parent.parent).returncode
+  if rc != 0:
+    tail = log.read_text(errors="replace")[-4000:]
+    raise RuntimeError(f"elastic MaxText job {name} exited {rc}:\n{tail}")
+  report = json.loads((out / "maxtext-inc0-host0.json").read_text())
+  report["worker"] = json.loads((out / "worker.json").read_text())
+  return report
+
+
 def _recovery(incs: list[Any], report: dict[str, Any], kill: int) -> dict[str, Any]:
   r = report["restores"][-1]
   first_new = report["times"].get(str(kill + 1))

@@ -48,7 +48,7 @@ from typing import Any
 
 from snapstore import _faults
 
-from . import MaxTextConfigError, snapshot_options, split_snapshot_keys
+from . import MaxTextConfigError, _elastic, snapshot_options, split_snapshot_keys
 
 SUPPORTED_MAXTEXT = ("0.2.5",)
 
@@ -108,8 +108,9 @@ class _Engine:
     self.options = snapshot_options(config)  # raises MaxTextConfigError
     self.manager: Any = None
     self.report: dict[str, Any] = {"losses": {}, "times": {}, "restores": [], "digests": {},
-                                   "pid": os.getpid(), "started": time.time()}
+                                   "elastic": [], "pid": os.getpid(), "started": time.time()}
     self._report_dir = os.environ.get("SNAPSTORE_REPORT_DIR")
+    self._elastic: _elastic.ElasticSide | None = None  # single-controller elastic MaxText
 
   @property
   def enabled(self) -> bool:
@@ -124,8 +125,30 @@ class _Engine:
       name = getattr(maxtext_config, "run_name", None)
       if name:
         self.options = dataclasses.replace(self.options, run_id=str(name))
-      self.manager = snapstore.SnapshotManager(self.options)
+      # Single-controller elastic (Pathways): one store per slice, held in
+      # the slices' own pinned host memory; else this host's store.
+      slices = self._elastic.slices() if self._elastic is not None else None
+      self.manager = snapstore.SnapshotManager(self.options, slices=slices)
+      if self._elastic is not None:
+        self._elastic.manager = self.manager
+        self._elastic.before_attempt(count=False)
     return self.manager
+
+  def elastic_retry(self, original: Callable[..., Any], config: Any,
+                    callback_fn: Callable[[], Any] | None = None,
+                    pre_callback_fn: Callable[[], Any] | None = None) -> Any:
+    """MaxText's ``elastic_utils.elastic_retry``, with snapstore's two
+    callbacks chained before MaxText's: on the event, the slices lost then
+    are forgotten; before each attempt, the active ones are set."""
+    if self.enabled and getattr(config, "dataset_type", None) == "grain":
+      raise MaxTextConfigError(
+          "dataset_type=grain with elastic_enabled=true: snapstore cannot yet carry the "
+          "grain iterator's state across a change of slices; set snapshot_interval=0 "
+          "(MaxText's own checkpoints) or use another dataset_type")
+    self._elastic = _elastic.ElasticSide(config, self.report)
+    side = self._elastic
+    return original(config, callback_fn=_elastic.chain(side.on_event, callback_fn),
+                    pre_callback_fn=_elastic.chain(side.before_attempt, pre_callback_fn))
 
   # ----------------------------------------------------------- the wraps
   def load_state_if_possible(self, original: Callable[..., Any], *args: Any,
@@ -153,10 +176,12 @@ class _Engine:
         r = None  # its arrays are not needed: free them before MaxText reads its own
       t1 = time.time()
       out = original(*args, **kwargs)
-      self._record_restore({"source": "maxtext" if orbax_step is not None else "init",
-                            "step": orbax_step, "why": why,
-                            "timings": {"total": time.time() - t1}}, t0,
+      summary = {"source": "maxtext" if orbax_step is not None else "init",
+                 "step": orbax_step, "why": why, "timings": {"total": time.time() - t1}}
+      self._record_restore(summary, t0,
                            replaces_report=self.manager is not None and "newer" in why)
+      if self._elastic is not None:
+        self._elastic.restored(self.report["restores"][-1])
       return out
     state = r.state
     if grain:
@@ -164,6 +189,8 @@ class _Engine:
       state = state["maxtext"]
     self._record_restore(r.summary(), t0, reported=True)
     self._digest(state, r.step)
+    if self._elastic is not None:
+      self._elastic.restored(self.report["restores"][-1])
     if isinstance(orbax, (checkpointing.EmergencyCheckpointManager,
                           checkpointing.EmergencyReplicatorCheckpointManager)):
       return state, None  # MaxText takes these managers' restore as it is
@@ -172,7 +199,18 @@ class _Engine:
   def maybe_save_checkpoint(self, original: Callable[..., Any], checkpoint_manager: Any,
                             state: Any, config: Any, data_iterator: Any,
                             step: int | None = None) -> Any:
-    out = original(checkpoint_manager, state, config, data_iterator, step)
+    if self._elastic is not None and step is not None:
+      self._elastic.stepped(int(step))  # trained: MaxText's save may signal a scale-up
+    try:
+      out = original(checkpoint_manager, state, config, data_iterator, step)
+    except _elastic.scale_up_signal() as e:
+      # MaxText asks to scale up right after its Orbax save, before this
+      # step's snapshot: take it first, so the scale-up rewinds 0 steps.
+      if step is not None and self.enabled:
+        self._save(config, state, data_iterator, int(step))
+        self.manager.wait_until_finished()
+        e.add_note(f"snapstore: step {step} snapshotted before the scale-up")
+      raise
     if step is None:  # the end of the run: the final state
       if self.manager is not None:
         self.manager.wait_until_finished()
@@ -187,10 +225,13 @@ class _Engine:
       _faults.point("step", int(step))
     self.report["times"][int(step)] = time.time()  # the step and MaxText's own save done
     if self.enabled:
-      if getattr(config, "dataset_type", None) == "grain":  # as MaxText's own save takes it
-        state = {"maxtext": state, "data_iterator": _iterator_rows(data_iterator)}
-      self._manager(config).save(int(step), state)
+      self._save(config, state, data_iterator, int(step))
     return out
+
+  def _save(self, config: Any, state: Any, data_iterator: Any, step: int) -> None:
+    if getattr(config, "dataset_type", None) == "grain":  # as MaxText's own save takes it
+      state = {"maxtext": state, "data_iterator": _iterator_rows(data_iterator)}
+    self._manager(config).save(step, state)
 
   def write_metrics(self, original: Callable[..., Any], logger: Any, metrics: Any,
                     step: int, *args: Any, **kwargs: Any) -> Any:
@@ -244,6 +285,7 @@ class _Engine:
         f"-r{attempt}" if attempt != "0" else "")
     if self.manager is not None:
       self.report["save_metrics"] = self.manager.metrics.as_dict()
+      self.report["store"] = self.manager.backend.kind.value
     write_atomic(Path(self._report_dir) / f"{name}.json", json.dumps(self.report).encode())
 
   def close(self) -> None:
@@ -330,6 +372,11 @@ def _set_iterator_state(data_iterator: Any, rows: Any) -> None:
     iterator.set_state(payload if kind == b"B" else json.loads(payload))
 
 
+#: the engine of the running :func:`main` (None outside it), for tools and
+#: tests that look at its manager or report
+current: _Engine | None = None
+
+
 def _wrap(module: Any, name: str, method: Callable[..., Any]) -> None:
   original = getattr(module, name)
 
@@ -347,14 +394,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   yml, from_yml = _yaml_without_snapshot_keys(argv[1])
   rest, from_cli = split_snapshot_keys(argv[2:])
   engine = _Engine({**from_yml, **from_cli, **_run_keys(rest, yml)})
+  global current
+  current = engine
   if os.environ.get("SNAPSTORE_COORDINATOR"):  # under snapstore launch: join first
     from snapstore.launch import init_from_env
     init_from_env()
   from maxtext.common import checkpointing, metric_logger
   from maxtext.trainers.pre_train import train
+  from maxtext.utils import elastic_utils
   _wrap(checkpointing, "load_state_if_possible", engine.load_state_if_possible)
   _wrap(checkpointing, "maybe_save_checkpoint", engine.maybe_save_checkpoint)
   _wrap(metric_logger.MetricLogger, "write_metrics", engine.write_metrics)
+  _wrap(elastic_utils, "elastic_retry", engine.elastic_retry)  # looked up at call time
   from absl import (
     flags,
     logging as absl_logging,
