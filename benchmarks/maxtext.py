@@ -12,6 +12,16 @@ tiny decoder, synthetic data) on 2 processes x 2 CPU devices under
   checkpoint), the steps lost, the restore's seconds, and kill -> first new
   step.
 
+``python -m benchmarks.maxtext --elastic``: MaxText's own elastic training
+(single controller, Pathways; simulated on 8 CPU devices as 2 slices by
+``benchmarks._maxtext_elastic``), snapstore's per-slice snapshots against
+MaxText's Orbax alone, seven jobs after a warm-up: for each, a steady run
+(per-step overhead; MaxText alone also with Orbax every step), pause-resume
+with slice 1 lost after ``--kill``, and replica-resize with slice 1 lost
+after ``--kill`` and back at ``--back``
+(then MaxText's scale-up): per event, where it restored from, steps lost,
+restore seconds, event -> first new step.
+
 MaxText's steps here are ~10-70 ms of compute for a tiny model on 2 shared
 cores, so the overhead ratio is a worst case: a snapshot's fixed cost
 against almost no step.
@@ -161,17 +171,90 @@ def run(steps: int, period: int, kill: int) -> dict[str, Any]:
           "snapshots_off": rows["off"], "snapshots_on": rows["on"]}
 
 
+def _elastic_events(report: dict[str, Any]) -> list[dict[str, Any]]:
+  return [{"kind": e["kind"], "lost_slices": e["lost_slices"],
+           "active_slices": e.get("active_slices"),
+           "source": e.get("restore", {}).get("source"),
+           "restored_step": e.get("restore", {}).get("step"),
+           "steps_lost": e.get("steps_lost"),
+           "restore_s": e.get("restore", {}).get("seconds"),
+           "event_to_first_new_step_s": e.get("event_to_first_new_step_s")}
+          for e in report["elastic"]]
+
+
+def run_elastic_bench(steps: int, period: int, lose: int, back: int) -> dict[str, Any]:
+  """Single-controller elastic MaxText (8 CPU devices as 2 slices), snapstore
+  against MaxText's Orbax alone, in both of MaxText's modes: a steady run of
+  each (per-step overhead), pause-resume with slice 1 lost after ``lose``,
+  and replica-resize with slice 1 lost after ``lose`` and back at ``back``."""
+  work = ram_dir("snapstore-maxtext-elastic-")
+  cache = work / "jax-cache"
+  try:
+    rows: dict[str, Any] = {}
+    # Both systems then find the 4-device (resized) programs compiled in the
+    # shared cache: neither pays a compile the other does not.
+    run_elastic(work, "warm-up", steps=steps, period=period, snapshots=False,
+                cache_dir=cache, resize=True, lose=[lose], back=back)
+    for system, snapshots in (("maxtext_orbax", False), ("snapstore", True)):
+      kw = dict(steps=steps, period=period, snapshots=snapshots, cache_dir=cache)
+      steady = run_elastic(work, f"{system}-steady", **kw)
+      pause = run_elastic(work, f"{system}-pause", lose=[lose], **kw)
+      resize = run_elastic(work, f"{system}-resize", resize=True, lose=[lose], back=back, **kw)
+      gaps = step_intervals(steady)
+      rows[system] = {
+          "median_step_s": statistics.median(gaps),
+          "pause_resume": _elastic_events(pause),
+          "replica_resize": _elastic_events(resize),
+          "final_digest": {"pause_resume": pause["digests"].get(str(steps - 1)),
+                           "replica_resize": resize["digests"].get(str(steps - 1))}}
+    ours, alone = rows["snapstore"], rows["maxtext_orbax"]
+    ours["overhead_median"] = ours["median_step_s"] / alone["median_step_s"] - 1
+    # What MaxText alone pays per step for snapstore's rewind of 0: Orbax every step.
+    every = run_elastic(work, "maxtext_orbax-every-step", steps=steps, period=1,
+                        snapshots=False, cache_dir=cache)
+    alone["every_step_median_step_s"] = statistics.median(step_intervals(every))
+    alone["every_step_overhead_median"] = (alone["every_step_median_step_s"]
+                                           / alone["median_step_s"] - 1)
+    for mode in ("pause_resume", "replica_resize"):
+      ours[f"{mode}_steps_lost_total"] = sum(e["steps_lost"] or 0 for e in ours[mode])
+      alone[f"{mode}_steps_lost_total"] = sum(e["steps_lost"] or 0 for e in alone[mode])
+  finally:
+    cleanup(work)
+  return {"devices": 8, "slices": 2, "steps": steps, "checkpoint_period": period,
+          "lose_after_step": lose, "back_at_step": back, **rows}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="benchmarks.maxtext", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--steps", type=int, default=40)
-  p.add_argument("--checkpoint-period", type=int, default=10)
-  p.add_argument("--kill", type=int, default=28, help="SIGKILL host 1 after this step")
-  p.add_argument("--out", default="bench-results/maxtext.json")
+  p.add_argument("--steps", type=int, default=None, help="default 40 (--elastic: 24)")
+  p.add_argument("--checkpoint-period", type=int, default=None, help="default 10 (--elastic: 8)")
+  p.add_argument("--kill", type=int, default=None,
+                 help="SIGKILL host 1 (--elastic: lose slice 1) after this step; "
+                      "default 28 (--elastic: 11)")
+  p.add_argument("--out", default=None,
+                 help="default bench-results/maxtext.json (maxtext-elastic.json)")
+  p.add_argument("--elastic", action="store_true",
+                 help="single-controller elastic MaxText (Pathways, simulated on 8 CPU "
+                      "devices as 2 slices): snapstore vs MaxText's Orbax alone, both modes")
+  p.add_argument("--back", type=int, default=17,
+                 help="--elastic: slice 1 returns at this step (replica-resize)")
   args = p.parse_args(argv)
+  defaults = (24, 8, 11) if args.elastic else (40, 10, 28)
+  args.steps, args.checkpoint_period, args.kill = (
+      d if v is None else v
+      for v, d in zip((args.steps, args.checkpoint_period, args.kill), defaults, strict=True))
+  if args.elastic:
+    if not (0 < args.kill < args.back < args.steps - 1):
+      p.error("--elastic needs 0 < --kill < --back < --steps - 1")
+    emit("maxtext-elastic", run_elastic_bench(args.steps, args.checkpoint_period, args.kill,
+                                              args.back),
+         args.out or "bench-results/maxtext-elastic.json")
+    return 0
   if args.kill % args.checkpoint_period == 0 or not 0 < args.kill < args.steps - 1:
     p.error("--kill must be inside the run and off the checkpoint period")
-  emit("maxtext", run(args.steps, args.checkpoint_period, args.kill), args.out)
+  emit("maxtext", run(args.steps, args.checkpoint_period, args.kill),
+       args.out or "bench-results/maxtext.json")
   return 0
 
 

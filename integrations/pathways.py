@@ -40,6 +40,25 @@ logger = logging.getLogger(__name__)
 
 Slices = Mapping[int, Sequence[jax.Device]]
 
+#: pathwaysutils 0.1.5-0.1.11 delete every live jax.Array on each elastic
+#: event, the pinned_host snapshots included.
+MIN_PATHWAYSUTILS = "0.1.13"
+
+
+def check_pathwaysutils() -> str:
+  """The installed pathwaysutils' version; raises RuntimeError if it is one
+  that deletes the snapshots on an elastic event."""
+  from importlib.metadata import version as installed
+
+  from packaging.version import Version
+  found = installed("pathwaysutils")
+  if Version(found) < Version(MIN_PATHWAYSUTILS):
+    raise RuntimeError(
+        f"pathwaysutils {found} deletes every live jax.Array on each elastic event, the "
+        f"snapshots in pinned host memory included; snapstore needs pathwaysutils >= "
+        f"{MIN_PATHWAYSUTILS} (pip install -U pathwaysutils)")
+  return found
+
 
 def slices_of(devices: Sequence[jax.Device]) -> dict[int, list[jax.Device]]:
   """slice index -> devices, from ``device.slice_index`` (one slice if absent)."""
@@ -111,6 +130,7 @@ class ElasticTrainer:
                run_id: str = "default",
                persistent: OrbaxTier | str | os.PathLike[str] | None = None,
                persistent_interval: int = 0):
+    check_pathwaysutils()
     self.elastic = elastic
     self.options = options or ElasticOptions()
     self.snapshots = SnapshotManager(

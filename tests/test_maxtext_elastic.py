@@ -18,7 +18,7 @@ pytest.importorskip(
     "maxtext", reason="MaxText is not installed (Python >= 3.12: pip install --no-deps -r "
            "requirements/maxtext-0.2.5-cpu.txt)")
 
-from benchmarks.maxtext import run_elastic  # noqa: E402
+from benchmarks.maxtext import run_elastic
 
 pytestmark = pytest.mark.slow  # real MaxText jobs: the full suite only
 
@@ -99,8 +99,9 @@ def test_replica_resize_then_scale_up_equals_maxtext_alone_and_scale_up_rewinds_
   kw = dict(steps=STEPS, cache_dir=work / "jc", resize=True, lose=[4], back=6)
   ours = run_elastic(work, "resize", period=PERIOD, snapshots=True, **kw)
   alone = run_elastic(work, "resize-alone", period=1, snapshots=False, **kw)
-  expected = [("slice_down", [1], [0], "snapshot", 4, 0), ("scale_up", [], [0, 1], "snapshot", 6, 0)]
+  expected = [("slice_down", [1], [0], "snapshot", 4, 0),
+              ("scale_up", [], [0, 1], "snapshot", 6, 0)]
   assert events(ours) == expected
-  assert events(alone) == [e[:3] + ("maxtext",) + e[4:] for e in expected]
+  assert events(alone) == [(*e[:3], "maxtext", *e[4:]) for e in expected]
   assert final(ours) == final(alone)
   same_losses(ours, alone)

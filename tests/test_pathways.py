@@ -365,3 +365,37 @@ def test_a_store_that_raises_on_read_is_a_lost_domain(store_dir, monkeypatch):
     again = mgr.restore(abstract(devs))
     assert again.step == 2 and len(reads) == n
     assert_bitwise_equal(expected, again.state)
+
+
+def test_an_elastic_retry_deletes_no_snapshot(slices, store_dir, monkeypatch):
+  """pathwaysutils 0.1.5-0.1.11 deleted every live jax.Array on each elastic
+  event, pinned_host snapshots included, and 0.1.13 keeps an uncalled
+  ``Manager._cleanup_on_retry`` that would do the same. A pinned_host array
+  made before a real retry of the installed pathwaysutils is still alive
+  after it, and that method was never called; called, it deletes the array
+  (so this check is one a future pathwaysutils can fail)."""
+  _, lose, _ = slices
+  devs = jax.devices()
+  pinned = NamedSharding(jax.sharding.Mesh(np.array(devs), ("d",)), P("d"),
+                         memory_kind="pinned_host")
+  sentinel = jax.device_put(jnp.arange(len(devs) * 4, dtype=jnp.float32), pinned)
+  calls = []
+  real = Manager._cleanup_on_retry
+  monkeypatch.setattr(Manager, "_cleanup_on_retry",
+                      lambda self: (calls.append(1), real(self))[1])
+  trainer, saved, _, final = run_elastic(store_dir, lose, ElasticOptions(**FAST))
+  assert trainer.events and trainer.events[0].source == "snapshot"
+  assert calls == [] and not sentinel.is_deleted()
+  assert_bitwise_equal(saved[8], final)
+  Manager._cleanup_on_retry(trainer.elastic)
+  assert calls == [1] and sentinel.is_deleted()
+
+
+def test_a_pathwaysutils_that_deletes_snapshots_is_refused(monkeypatch):
+  from importlib import metadata
+
+  from snapstore.integrations import pathways
+  monkeypatch.setattr(metadata, "version", lambda name: "0.1.11")
+  with pytest.raises(RuntimeError, match=r"pathwaysutils 0.1.11 deletes every live "
+                                         r"jax.Array.*>= 0.1.13"):
+    pathways.check_pathwaysutils()

@@ -23,24 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-#: pathwaysutils 0.1.5-0.1.11 delete every live jax.Array on each elastic
-#: event, the pinned_host snapshots included.
-MIN_PATHWAYSUTILS = "0.1.13"
-
-
-def check_pathwaysutils() -> str:
-  """The installed pathwaysutils' version; raises RuntimeError if it is one
-  that deletes the snapshots on an elastic event."""
-  from importlib.metadata import version as installed
-
-  from packaging.version import Version
-  found = installed("pathwaysutils")
-  if Version(found) < Version(MIN_PATHWAYSUTILS):
-    raise RuntimeError(
-        f"pathwaysutils {found} deletes every live jax.Array on each elastic event, the "
-        f"snapshots in pinned host memory included; snapstore needs pathwaysutils >= "
-        f"{MIN_PATHWAYSUTILS} (pip install -U pathwaysutils)")
-  return found
+from ..pathways import check_pathwaysutils
 
 
 def scale_up_signal() -> type[BaseException]:
