@@ -75,3 +75,20 @@ def test_snapshot_keys_are_split_parsed_and_checked_by_name():
       snapshot_options(bad)
   with pytest.raises(MaxTextConfigError, match="snapshot_store_dir"):
     split_snapshot_keys(["snapshot_store_dir=["])
+
+
+def test_grain_with_maxtexts_elastic_training_is_refused_by_name():
+  """The grain iterator's rows are laid out over every device, a lost
+  slice's too: under MaxText's elastic retry the hook refuses grain, naming
+  it, before MaxText's retry starts."""
+  from types import SimpleNamespace
+
+  from snapstore.integrations.maxtext.train import _Engine
+  calls = []
+
+  def original(config, callback_fn=None, pre_callback_fn=None):
+    calls.append(config)
+  with pytest.raises(MaxTextConfigError, match="dataset_type=grain with elastic_enabled"):
+    _Engine({"snapshot_interval": 1}).elastic_retry(
+        original, SimpleNamespace(dataset_type="grain"))
+  assert calls == []
