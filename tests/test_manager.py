@@ -213,16 +213,22 @@ def test_a_prefault_leaves_every_page_of_the_arena_resident(kernel, monkeypatch)
 
 def test_a_restore_does_not_wait_for_a_whole_prefault(monkeypatch):
   """A take (a restore) that comes while a prefault runs stops it after the
-  chunk under way and gets that arena, however much of it was faulted in."""
+  chunk under way and gets that arena, however much of it was faulted in;
+  the take faults in the whole arena itself (every core at once)."""
   from snapstore import _arena
   cache = _arena.ArenaCache()
   got = {}
 
   def taker() -> None:
     got["arena"] = cache.take(4 * _arena.POPULATE_CHUNK)
-  calls = []
+  calls, taken = [], []
+
+  main = threading.current_thread()
 
   def madvise(at, n, advice):  # the first chunk: a restore arrives meanwhile
+    if threading.current_thread() is not main:
+      taken.append((at, n))
+      return 0
     calls.append(at)
     if len(calls) == 1:
       got["thread"] = threading.Thread(target=taker)
@@ -236,6 +242,9 @@ def test_a_restore_does_not_wait_for_a_whole_prefault(monkeypatch):
   got["thread"].join()
   assert len(calls) == 1 and len(made) == 1  # stopped; the same arena taken
   assert got["arena"].ctypes.data == calls[0]
+  base = calls[0]
+  assert sorted((at - base, n) for at, n in taken) == [
+      (k * _arena.POPULATE_CHUNK, _arena.POPULATE_CHUNK) for k in range(4)]
 
 
 def test_trimming_and_closing_do_not_wait_for_a_prefault(monkeypatch):

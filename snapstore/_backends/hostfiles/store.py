@@ -238,7 +238,7 @@ class HostStore:
     # First touch here, not in the copy: every page mapped writable, in
     # chunks with the GIL released (its pages are allocated and zero
     # already: writing zeros over them, as this did, cost a pass over the slot).
-    _arena._populate(mm)
+    _arena._populate_now(mm)
     arr = np.frombuffer(mm, dtype=np.uint8)
     self._maps[i] = (mm, arr)
     self._inodes[i] = os.lstat(self._slot_path(i)).st_ino
