@@ -22,8 +22,9 @@ replaced, and only that:
 * the elastic manager's poll interval: 0.1 s (MaxText passes none: 10 s).
 
 A loss (``--lose S``): after step S trained and its snapshot committed,
-slice 1's store is wiped (its hosts' memory is gone; ``--flip S`` also
-flips a byte of slice 0's copy of a slice-1 piece of step S), then pathwaysutils'
+what slice 1's store holds raises DATA_LOSS when read from then on (its
+hosts' memory is gone; ``--flip S`` also flips a byte of slice 0's copy of
+a slice-1 piece of step S), then pathwaysutils'
 ``DeviceLossSimulator`` marks slice 1 lost and the next read of the state
 raises DATA_LOSS, as on Pathways. The simulator is stopped at the next
 health check, before the retry re-jits (while it runs, ``jax.jit`` has no
@@ -35,7 +36,7 @@ the same step in every run.
 
 Not exercised here: the IFRT proxy and remote dispatch, the DCN hybrid mesh
 (every CPU device counts as slice 0 for MaxText's mesh), real loss of pinned
-host memory (the store is wiped instead), heartbeat timeouts.
+host memory (reads of it raise instead), heartbeat timeouts.
 
 Writes ``DIR/worker.json``: the fault times, and MaxText's report from the
 hook (``maxtext-inc0-host0.json`` beside it).
@@ -84,6 +85,7 @@ class Faults:
     self.down: dict[int, int | None] = {}  # slice -> health checks until back (None: held)
     self.sim = DeviceLossSimulator()
     self.log: list[dict[str, Any]] = []
+    self.dead: dict[int, Any] = {}  # id -> a lost slice's stored piece (held: ids stay)
     self._lock = threading.Lock()
 
   def health(self, slice_to_devices: Any = None, checker: Any = None) -> frozenset[int]:
@@ -131,7 +133,11 @@ class Faults:
       manager.wait_until_finished()
       if step in self.flip:
         flipped = _flip_cross_copy(manager, step)
-      manager.backend.stores[1].wipe()  # its hosts' memory is gone
+      # Its hosts' memory is gone: what slice 1's store holds now raises
+      # DATA_LOSS when read, as on Pathways (the hook must forget it).
+      store = manager.backend.stores[1]
+      self.dead.update({id(a): a for arrays in store._slots.values() for a in arrays
+                        if a is not None})
     with self._lock:
       self.down[1] = 2 if self.back is None else None
     self.log.append({"lost": step, "time": time.time(), "flipped": flipped})
@@ -159,6 +165,18 @@ def install(faults: Faults) -> None:
   elastic_utils.live_devices = live_devices
   manager.Manager.elastic_retry = functools.partialmethod(  # type: ignore[method-assign]
       manager.Manager.elastic_retry, poll_interval=0.1)
+  import jax
+
+  from snapstore._backends.pinned.store import PinnedHostStore
+  real_part = PinnedHostStore.part
+
+  def part(store: Any, slot: int, position: int) -> Any:
+    got = real_part(store, slot, position)
+    if faults.dead.get(id(got)) is got:
+      raise jax.errors.JaxRuntimeError("DATA_LOSS: the slice holding this array was lost "
+                                       "(simulated)")
+    return got
+  PinnedHostStore.part = part  # type: ignore[method-assign]
 
 
 def wrap_saves(faults: Faults) -> None:

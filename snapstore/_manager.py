@@ -434,10 +434,12 @@ class SnapshotManager:
 
   def _forget_unreadable(self, assembler: Assembler, manifests: list[Any],
                          notes: list[str]) -> list[Any]:
-    """Single controller: a store whose memory raised a JAX runtime error
-    on read (its slice is gone; Pathways says DATA_LOSS) is a lost domain,
-    forgotten as on an elastic event; the next plan uses the others only.
-    The manifests left to plan from."""
+    """Single controller: a store whose memory raised DATA_LOSS on read
+    (its slice's memory is gone, as Pathways says it) is a lost domain:
+    what it held is forgotten and the next plan uses the others only. The
+    domain stays active if it was: whether it is up is the elastic
+    manager's to say, and a later snapshot writes to it again. The
+    manifests left to plan from."""
     lost = sorted(assembler.lost_stores)
     if not lost or self._peers.multi_host:
       return manifests
@@ -445,7 +447,11 @@ class SnapshotManager:
     notes.append(f"step {assembler.plan.step}: the stores of domains {lost} raised on read "
                  f"({why}): treated as lost; planning from the others")
     logger.warning(notes[-1])
+    live = getattr(self.backend, "live", None)
+    active = live() if live is not None else None
     self.forget_domains(lost, "its store raised on read")
+    if active is not None:
+      self.backend.set_active_domains(active)
     return self.backend.manifests()
 
   def _branch_from(self, step: int, manifests: Sequence[Any]) -> None:
@@ -474,9 +480,10 @@ class SnapshotManager:
     if not persistent_steps or self.persistent is None:
       where = self.persistent.directory if self.persistent else "no persistent tier"
       what = f"step {step}" if step is not None else "any step"
+      seen = f" What the restore found: {'; '.join(notes[-3:])}." if notes else ""
       raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(
           f"no complete snapshot of {what} in {self.backend.describe()} and no committed "
-          f"checkpoint in {where}. Nothing was deleted; start a new run, or "
+          f"checkpoint in {where}.{seen} Nothing was deleted; start a new run, or "
           "point store_dir/run_id/persistent at the run to resume.")
     pstep = persistent_steps[-1]
     notes.append(f"no complete snapshot at or after step {pstep}; "

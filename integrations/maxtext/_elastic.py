@@ -18,12 +18,15 @@ from, the steps lost, and the time from the event to the first new step.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..pathways import check_pathwaysutils
+
+logger = logging.getLogger(__name__)
 
 
 def scale_up_signal() -> type[BaseException]:
@@ -47,9 +50,10 @@ class ElasticSide:
   Called on the controller's main thread (the retry loop's callbacks, and
   the train loop's wraps)."""
 
-  def __init__(self, config: Any, report: dict[str, Any]):
+  def __init__(self, config: Any, report: dict[str, Any], *, snapshots: bool = True):
     from maxtext.utils import elastic_utils
-    check_pathwaysutils()
+    if snapshots:  # (MaxText alone keeps no arrays across an event)
+      check_pathwaysutils()
     elastic_utils.ensure_elastic_manager_initialized(config)
     self.elastic = elastic_utils.elastic_manager
     self.manager: Any = None  # the SnapshotManager, once built (at the first restore)
@@ -68,9 +72,15 @@ class ElasticSide:
     from pathwaysutils.elastic import elastic
     t = time.time()
     error = sys.exc_info()[1]
-    up = elastic.get_active_slice_indices(self.elastic.slice_to_devices)
-    lost = sorted(set(self.elastic.all_slice_indices) - set(up))
     kind = "scale_up" if isinstance(error, scale_up_signal()) else "slice_down"
+    was_active = {int(k) for k in self.elastic.active_slice_indices}
+    try:
+      up = elastic.get_active_slice_indices(self.elastic.slice_to_devices)
+    except Exception as e:  # noqa: BLE001 - the retry goes on; reads find a lost slice
+      logger.warning("elastic event: the slice health check failed (%r); no slice is "
+                     "forgotten now, a lost one is when its store fails to read", e)
+      up = was_active
+    lost = sorted(was_active - {int(k) for k in up})
     event: dict[str, Any] = {
         "attempt": self.attempt, "kind": kind, "time": t, "lost_slices": lost,
         "last_step": self.last_step,

@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -49,6 +50,8 @@ from typing import Any
 from snapstore import _faults
 
 from . import MaxTextConfigError, _elastic, snapshot_options, split_snapshot_keys
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MAXTEXT = ("0.2.5",)
 
@@ -145,7 +148,7 @@ class _Engine:
           "dataset_type=grain with elastic_enabled=true: snapstore cannot yet carry the "
           "grain iterator's state across a change of slices; set snapshot_interval=0 "
           "(MaxText's own checkpoints) or use another dataset_type")
-    self._elastic = _elastic.ElasticSide(config, self.report)
+    self._elastic = _elastic.ElasticSide(config, self.report, snapshots=self.enabled)
     side = self._elastic
     return original(config, callback_fn=_elastic.chain(side.on_event, callback_fn),
                     pre_callback_fn=_elastic.chain(side.before_attempt, pre_callback_fn))
@@ -206,10 +209,17 @@ class _Engine:
     except _elastic.scale_up_signal() as e:
       # MaxText asks to scale up right after its Orbax save, before this
       # step's snapshot: take it first, so the scale-up rewinds 0 steps.
+      # The signal goes on whatever happens here (a failed snapshot only
+      # means the rewind is MaxText's).
       if step is not None and self.enabled:
-        self._save(config, state, data_iterator, int(step))
-        self.manager.wait_until_finished()
-        e.add_note(f"snapstore: step {step} snapshotted before the scale-up")
+        try:
+          saved = self._save(config, state, data_iterator, int(step), force=True)
+          self.manager.wait_until_finished()
+        except Exception as failure:  # noqa: BLE001 - never replace the signal
+          logger.warning("step %s: no snapshot before the scale-up: %r", step, failure)
+        else:
+          if saved:
+            e.add_note(f"snapstore: step {step} snapshotted before the scale-up")
       raise
     if step is None:  # the end of the run: the final state
       if self.manager is not None:
@@ -228,10 +238,11 @@ class _Engine:
       self._save(config, state, data_iterator, int(step))
     return out
 
-  def _save(self, config: Any, state: Any, data_iterator: Any, step: int) -> None:
+  def _save(self, config: Any, state: Any, data_iterator: Any, step: int, *,
+            force: bool = False) -> bool:
     if getattr(config, "dataset_type", None) == "grain":  # as MaxText's own save takes it
       state = {"maxtext": state, "data_iterator": _iterator_rows(data_iterator)}
-    self._manager(config).save(step, state)
+    return bool(self._manager(config).save(step, state, force=force))
 
   def write_metrics(self, original: Callable[..., Any], logger: Any, metrics: Any,
                     step: int, *args: Any, **kwargs: Any) -> Any:

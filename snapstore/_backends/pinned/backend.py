@@ -164,9 +164,10 @@ class PinnedHostBackend(DomainStores):
         got = jax.device_put(stored, SingleDeviceSharding(on))
         ok = as_checksum(device_checksum(got)) == tuple(rec.checksum)
     except (RuntimeError, KeyError) as e:  # JaxRuntimeError (slice lost), freed buffers
-      # A JAX runtime error is the slice's memory gone (DATA_LOSS on
-      # Pathways): every copy it holds is lost, not just this one.
-      lost = copy.store if isinstance(e, jax.errors.JaxRuntimeError) else None
+      # DATA_LOSS reading a host copy is its slice's memory gone (Pathways):
+      # every copy that slice holds is lost, not just this one. Not on the
+      # device path: there the target device may be the one that failed.
+      lost = (copy.store if rec.kind is ChecksumKind.CRC32C and _data_loss(e) else None)
       raise BadCopy(copy.key(plan.step), path,
                     why=f"unreadable ({str(e).splitlines()[0] if str(e) else e!r})",
                     holder=holder, lost_store=lost) from e
@@ -228,6 +229,11 @@ class PinnedHostBackend(DomainStores):
       return None
     assembler.bytes_read += sum(c.record.nbytes for c, _ in picks)
     return arr
+
+
+def _data_loss(e: BaseException) -> bool:
+  """A JAX runtime error that says the memory read is gone (DATA_LOSS)."""
+  return isinstance(e, jax.errors.JaxRuntimeError) and "DATA_LOSS" in str(e)
 
 
 def _alive_on(a: jax.Array, device: jax.Device) -> bool:
