@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from . import _backends, _faults, _interval, _peers, _planner, _switch, errors, launch
+from . import _arena, _backends, _faults, _interval, _peers, _planner, _switch, errors, launch
 from ._arena import ArenaCache
 from ._assemble import Assembler
 from ._layout import LeafSpec, check_compatible, check_targets, flatten, tree_digest
@@ -96,6 +96,7 @@ class SnapshotManager:
     self.metrics.interval, self.metrics.interval_reason = (self.schedule.interval,
                                                            self.schedule.reason)
     self._closed = False
+    self._faulting_at_start = 0.0  # _arena.faulting_seconds() when a restore began
 
   # ------------------------------------------------------------------ save
   def save(self, step: int, state: Any, *, extra: Any = None,
@@ -178,6 +179,14 @@ class SnapshotManager:
         raise
       self._store_failed(step, e)  # and this step is snapshotted as usual
     self._capture_started = time.perf_counter()
+    faulting = _arena.faulting_seconds()  # a new slot is made here (host files)
+    try:
+      return self._capture_now(step, specs, leaves, extra)
+    finally:
+      self.metrics.first_touch_seconds += _arena.faulting_seconds() - faulting
+
+  def _capture_now(self, step: int, specs: Sequence[LeafSpec], leaves: Sequence[Any],
+                   extra: Any) -> Any:
     header = _backends.Header(
         run_id=self.options.run_id, incarnation=self.incarnation, step=step,
         num_hosts=max(self.num_hosts, len(self.backend.store_ids())),
@@ -218,9 +227,11 @@ class SnapshotManager:
 
   def _drain(self, pending: Any) -> None:
     t0 = time.perf_counter()
+    faulting = _arena.faulting_seconds()
     with _switch.lowered(self.options.drain_switch_interval_s), \
         _switch.collections_paused(self.options.pause_gc):
       nbytes = self.backend.drain(pending)  # drops the capture's views, inside the pause
+    self.metrics.first_touch_seconds += _arena.faulting_seconds() - faulting
     self._arenas.trim()  # the last restore's memory, if the state left it
     self._prefault_ahead()
     self._inflight_done_at = time.perf_counter()
@@ -311,6 +322,7 @@ class SnapshotManager:
       raise TypeError(f"step must be an int in [0, 2**48] or None, got {step!r}")
     self._lineage_step = None  # a restore starts a new lineage (_report sets its step)
     notes = self._settle_inflight()
+    self._faulting_at_start = _arena.faulting_seconds()
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     target_specs, targets, treedef = flatten(abstract_state)
@@ -503,6 +515,7 @@ class SnapshotManager:
         timings=timings, notes=tuple(notes), exchange=exchange))
 
   def _report(self, result: RestoreResult) -> RestoreResult:
+    result.timings["first_touch"] = _arena.faulting_seconds() - self._faulting_at_start
     self._lineage_step = result.step
     if self.host == 0:
       launch.report_restore(result.summary(), self.incarnation)

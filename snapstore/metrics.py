@@ -31,6 +31,7 @@ class SaveMetrics:
   persistent_saves: int = 0
   interval: int = 1              # the snapshot interval in force (``"auto"``: chosen)
   interval_reason: str = "fixed"
+  first_touch_seconds: float = 0.0  # drains' time faulting fresh memory in (first use)
   store_failures: int = 0        # saves the RAM tier failed (FailurePolicy.CONTINUE)
   last_store_failure: str = ""   # the last one's error
 
@@ -60,6 +61,9 @@ class RestoreResult:
       ``read_verify`` (its copies read and checked), ``read_agree`` (the
       hosts agreeing on bad copies; multi-host) and ``read_place`` (pieces
       moved between hosts or rebuilt, and the leaves built).
+      ``first_touch``: of ``total``, the time spent faulting fresh host
+      memory in, a first use's cost (a restore into memory kept from the
+      last one, or faulted in ahead, pays none).
     notes: why fresher candidates were not used.
     exchange: how a multi-host restore agreed (``""`` for one process):
       ``"sparse"``, each host's own metadata and point-to-point moves

@@ -160,6 +160,32 @@ def test_a_manager_on_a_store_with_a_snapshot_faults_restore_memory_in_at_start(
   assert_bitwise_equal(host_copy(state), r.state)
 
 
+def test_restore_and_save_metrics_split_the_first_touch_of_fresh_memory(
+    trainer, store_dir):
+  """What a recovery paid for first use: a restore into fresh memory reports
+  the time spent faulting it in (``timings["first_touch"]``, part of the
+  total); the next restore, into the memory the first one left, reports
+  none. A manager's first snapshot faults its slot in (counted in
+  ``metrics.first_touch_seconds``); the next, into the other slot, adds to
+  it; later ones, into the same slots, add nothing."""
+  state = trainer.init_state()
+  with snapstore.SnapshotManager(opts(store_dir, keep=1, prefault_restore=False)) as mgr:
+    touched = []
+    for step in (1, 2, 3, 4):
+      mgr.save(step, state)
+      mgr.wait_until_finished()
+      touched.append(mgr.metrics.first_touch_seconds)
+    assert 0 < touched[0] < touched[1] == touched[2] == touched[3], touched
+    first = mgr.restore(trainer.abstract_state())
+    assert 0 < first.timings["first_touch"] <= first.timings["total"], first.timings
+    assert_bitwise_equal(host_copy(state), first.state)
+    del first
+    gc.collect()
+    second = mgr.restore(trainer.abstract_state())
+    assert second.timings["first_touch"] == 0, second.timings
+    assert_bitwise_equal(host_copy(state), second.state)
+
+
 def test_a_prefault_runs_in_chunks_through_calls_that_release_the_gil(monkeypatch):
   """A prefault runs on a background thread while the training loop runs:
   each chunk goes through libc's madvise by ctypes (which lets go of the
