@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArenaCache", "host_arena"]
+__all__ = ["SPARE_SECONDS", "ArenaCache", "expire_spares", "host_arena", "spare_bytes"]
 
 
 def _huge_pages_without_stall() -> bool:
@@ -165,6 +165,67 @@ def _populate_now_timed(m: mmap.mmap, threads: int) -> None:
     return
 
 
+#: How long memory that an :class:`ArenaCache` let go of while nothing used
+#: it (a manager closed, a slot dropped, a slice lost) is kept for a new
+#: arena in this process, so that a new manager (a new ``Snapshotter`` on a
+#: scale event) copies into memory already faulted in, as XLA's own
+#: allocator reuses what it freed. Meanwhile it is given to the kernel with
+#: ``MADV_FREE``: taken back under memory pressure, counted in the process's
+#: resident size until then. 0: unmapped at once.
+SPARE_SECONDS = 30.0
+
+_spares: list[tuple[float, mmap.mmap]] = []  # (given back at, mapping), oldest first
+_spares_lock = threading.Lock()
+
+
+def _give_back(m: mmap.mmap) -> None:
+  """Keeps an idle mapping for :data:`SPARE_SECONDS` (see there)."""
+  if SPARE_SECONDS <= 0:
+    return
+  advice = getattr(mmap, "MADV_FREE", getattr(mmap, "MADV_DONTNEED", None))
+  if advice is not None:
+    try:
+      m.madvise(advice)
+    except OSError:
+      pass
+  with _spares_lock:
+    _spares.append((time.monotonic(), m))
+  timer = threading.Timer(SPARE_SECONDS, expire_spares)
+  timer.daemon = True
+  timer.start()
+
+
+def expire_spares(now: float | None = None) -> None:
+  """Unmaps the spare memory kept longer than :data:`SPARE_SECONDS` (at
+  ``now``, ``time.monotonic()`` by default; 0 seconds: all of it)."""
+  now = time.monotonic() if now is None else now
+  with _spares_lock:
+    old = [m for t, m in _spares if now - t >= SPARE_SECONDS]
+    _spares[:] = [(t, m) for t, m in _spares if now - t < SPARE_SECONDS]
+  for m in old:
+    try:
+      m.close()
+    except BufferError:  # (a view appeared: it keeps the memory until it goes)
+      pass
+
+
+def _reuse(nbytes: int) -> mmap.mmap | None:
+  """The smallest spare mapping of at least ``nbytes`` and at most twice
+  that, taken from the spares; or None."""
+  expire_spares()
+  with _spares_lock:
+    fits = [(len(m), i) for i, (_, m) in enumerate(_spares) if nbytes <= len(m) <= 2 * nbytes]
+    if not fits:
+      return None
+    return _spares.pop(min(fits)[1])[1]
+
+
+def spare_bytes() -> int:
+  """Bytes of spare memory kept now (:data:`SPARE_SECONDS`)."""
+  with _spares_lock:
+    return sum(len(m) for _, m in _spares)
+
+
 def host_arena(nbytes: int) -> np.ndarray:
   """Fresh, page-aligned anonymous memory (huge pages where the kernel
   allows), as a uint8 array; unmapped when the last view of it is gone."""
@@ -210,7 +271,7 @@ class ArenaCache:
       if self._idle(flush=True) and len(self._kept[0]) >= nbytes:
         m = self._kept[0]  # writing cancels a MADV_FREE: pages not taken stay
       else:
-        m = _mapping(nbytes)
+        m = _reuse(nbytes) or _mapping(nbytes)
         self._kept = [m]  # a busy one lives on with its users, unmapped after them
         self._resident = False
       if not self._resident:  # fresh, given back, or a prefault cut short:
@@ -229,7 +290,7 @@ class ArenaCache:
     with self._lock:
       if self._kept:
         return False
-      m = _mapping(nbytes)
+      m = _reuse(nbytes) or _mapping(nbytes)
       _populate(m, self._wanted.is_set)
       self._kept = [m]
       self._lazy = False
@@ -263,8 +324,12 @@ class ArenaCache:
     self._wanted.set()
 
   def release(self) -> None:
-    """Unmaps the kept arena if nothing uses it (else its users keep it)."""
+    """Lets go of the kept arena: kept a while for a new arena in this
+    process if nothing uses it (:data:`SPARE_SECONDS`), else its users keep
+    it and it is unmapped after them."""
     with self._lock:
+      if self._kept and self._idle(flush=True):
+        _give_back(self._kept[0])
       self._kept = []
       self._lazy = False
       self._resident = False

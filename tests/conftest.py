@@ -39,3 +39,12 @@ def gcs():
   from snapstore.demo.gcs_emulator import GcsEmulator
   with GcsEmulator(bucket="ckpt") as emu:
     yield emu
+
+
+@pytest.fixture(autouse=True)
+def _spare_memory_of_this_test_only(monkeypatch):
+  """Memory a test's managers let go of is reused by later managers in the
+  process (``_arena.SPARE_SECONDS``): each test starts with none, so a
+  test that counts fresh mappings counts its own."""
+  from snapstore import _arena
+  monkeypatch.setattr(_arena, "_spares", [])

@@ -506,3 +506,39 @@ def test_the_switch_interval_is_shared_by_drains_and_never_undoes_another_change
     assert sys.getswitchinterval() == pytest.approx(0.002)
   finally:
     sys.setswitchinterval(before)
+
+
+def test_memory_let_go_of_is_reused_by_a_new_arena_and_only_when_idle(monkeypatch):
+  """A closed manager's idle memory is kept a while (MADV_FREE) and a new
+  arena in the process takes it: the same memory, faulted in already. An
+  arena still in use when let go of is never handed out again (its user's
+  bytes stay as they were); with SPARE_SECONDS 0, or once it expired,
+  nothing is kept."""
+  from snapstore import _arena
+  first = _arena.ArenaCache()
+  a = first.take(1 << 20)
+  where = a.ctypes.data
+  del a
+  first.release()
+  assert _arena.spare_bytes() >= 1 << 20
+  second = _arena.ArenaCache()
+  b = second.take(1 << 20)
+  assert b.ctypes.data == where and _arena.spare_bytes() == 0
+  b[:] = 5
+  second.release()  # b still uses it: not kept
+  assert _arena.spare_bytes() == 0
+  third = _arena.ArenaCache()
+  c = third.take(1 << 20)
+  c[:] = 6
+  assert c.ctypes.data != where and (b == 5).all()
+  del c
+  third.release()
+  assert _arena.spare_bytes() >= 1 << 20
+  _arena.expire_spares(now=time.monotonic() + _arena.SPARE_SECONDS)
+  assert _arena.spare_bytes() == 0
+  monkeypatch.setattr(_arena, "SPARE_SECONDS", 0)
+  fourth = _arena.ArenaCache()
+  d = fourth.take(1 << 20)
+  del d
+  fourth.release()
+  assert _arena.spare_bytes() == 0
