@@ -145,7 +145,10 @@ def test_a_manager_on_a_store_with_a_snapshot_faults_restore_memory_in_at_start(
     trainer, store_dir, monkeypatch):
   """A restarted process: its manager starts on a store that holds a
   snapshot, so a restore is coming; its memory is faulted in meanwhile.
-  ``prefault_restore=False``: none until the restore takes it."""
+  ``prefault_restore=False``: none until the restore takes it. (A restarted
+  process has no memory of an earlier manager to reuse: none is kept here.)"""
+  from snapstore import _arena
+  monkeypatch.setattr(_arena, "SPARE_SECONDS", 0)
   state = trainer.init_state()
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     mgr.save(1, state)
