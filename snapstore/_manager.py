@@ -232,7 +232,8 @@ class SnapshotManager:
         _switch.collections_paused(self.options.pause_gc):
       nbytes = self.backend.drain(pending)  # drops the capture's views, inside the pause
     self.metrics.first_touch_seconds += _arena.faulting_seconds() - faulting
-    self._arenas.trim()  # the last restore's memory, if the state left it
+    if not self.options.prefault_restore:  # (else kept in place for a recovery)
+      self._arenas.trim()  # the last restore's memory, if the state left it
     self._prefault_ahead()
     self._inflight_done_at = time.perf_counter()
     self.schedule.on_drain(self._inflight_done_at - t0)
@@ -255,10 +256,8 @@ class SnapshotManager:
       logger.warning("restore memory not faulted in ahead: %r", e)
       return
     if nbytes:
-      def run() -> None:
-        if self._arenas.prefault(nbytes):
-          self._arenas.trim()  # the kernel may take it back when it needs memory
-      self._prefaulting = threading.Thread(target=run, name="snapstore-prefault", daemon=True)
+      self._prefaulting = threading.Thread(target=self._arenas.prefault, args=(nbytes,),
+                                           name="snapstore-prefault", daemon=True)
       self._prefaulting.start()
 
   def _raise_drain_error(self) -> None:

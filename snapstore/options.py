@@ -105,12 +105,13 @@ class SnapshotOptions:
       JAX process, which holds many objects). ``False``: left alone.
     prefault_restore: once the store holds a snapshot (at start, or after
       the first one commits), a background thread faults in the host memory
-      a restore of it copies into, so a recovery does not pay its page
-      faults (``python -m benchmarks.capture`` reports the first restore in
-      a process: ``restore_first_s``). That memory is then
-      handed to the kernel as free-when-needed (``MADV_FREE``): under
-      memory pressure it takes the pages back and a restore faults them in
-      again. ``False``: memory is taken when a restore needs it.
+      a restore of it copies into, and it stays in place while idle, so a
+      recovery pays neither page faults nor the kernel's re-dirtying of
+      freed pages (``python -m benchmarks.capture`` reports the first
+      restore in a process: ``restore_first_s``). It costs this process's
+      own share of the state in resident memory. ``False``: memory is taken
+      when a restore needs it, and an idle one is handed to the kernel as
+      free-when-needed (``MADV_FREE``).
     incarnation: this job's incarnation (restart count); ``None`` takes
       ``$SNAPSTORE_INCARNATION`` (set by ``snapstore launch``), else one more
       than the newest in the stores (agreed across hosts).

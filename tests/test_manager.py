@@ -106,7 +106,27 @@ def test_restores_share_no_memory_with_a_state_still_alive(trainer, store_dir):
     gc.collect()  # jaxlib's deferred releases of the adopted buffers
     mgr.save(4, state)
     mgr.wait_until_finished()
-    assert mgr._arenas._lazy  # idle after the snapshot: the kernel may take it
+    # prefault_restore (the default): kept in place for the next restore
+    assert mgr._arenas.kept_bytes and not mgr._arenas._lazy
+
+
+def test_without_prefault_idle_restore_memory_is_given_to_the_kernel(trainer, store_dir):
+  """``prefault_restore=False``: once nothing uses the last restore's
+  memory, the next snapshot hands it to the kernel (MADV_FREE): it may
+  take the pages back, and the next restore faults them in again."""
+  state = trainer.init_state()
+  with snapstore.SnapshotManager(opts(store_dir, prefault_restore=False)) as mgr:
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+    del_me = mgr.restore(trainer.abstract_state()).state
+    del del_me
+    gc.collect()
+    assert not mgr._arenas._lazy
+    mgr.save(2, state)
+    mgr.wait_until_finished()
+    assert mgr._arenas._lazy
+    r = mgr.restore(trainer.abstract_state())
+  assert_bitwise_equal(host_copy(state), r.state)
 
 
 def _arenas_made(monkeypatch) -> list[int]:
