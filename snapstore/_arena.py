@@ -147,13 +147,11 @@ def _populate_now_timed(m: mmap.mmap, threads: int) -> None:
   pages = np.frombuffer(m, np.uint8)
   base, size = pages.ctypes.data, pages.size
   per = -(-size // threads // POPULATE_CHUNK) * POPULATE_CHUNK  # whole chunks a thread
-  failed = threading.Event()
 
   def run(lo: int, hi: int) -> None:
     for at in range(lo, hi, POPULATE_CHUNK):
       if _MADVISE(base + at, min(POPULATE_CHUNK, hi - at), _POPULATE_WRITE) != 0:
-        failed.set()
-        return
+        return  # (e.g. no memory for a huge page): the copy faults the rest in
   workers = [threading.Thread(target=run, args=(lo, min(lo + per, size)),
                               name="snapstore-populate", daemon=True)
              for lo in range(0, size, per)]
@@ -161,8 +159,6 @@ def _populate_now_timed(m: mmap.mmap, threads: int) -> None:
     w.start()
   for w in workers:
     w.join()
-  if failed.is_set():  # (e.g. no memory for a huge page): the copy faults the rest
-    return
 
 
 #: How long memory that an :class:`ArenaCache` let go of while nothing used

@@ -95,12 +95,16 @@ def test_vs_orbax_snapshotter_benchmark_smoke(tmp_path):
             *[v for row in result["over_floor"].values() for v in row.values()])
 
 
-def test_cold_benchmark_times_each_system_in_a_fresh_process(tmp_path):
-  result = _run(cold, ["--mb", "4", "--runs", "1", "--leaves", "0", "--warm", "1"],
-                tmp_path / "c.json")
+@pytest.mark.parametrize("scenario", ["vs_orbax", "elastic"])
+def test_cold_benchmark_times_each_system_in_a_fresh_process(tmp_path, scenario):
+  result = _run(cold, ["--mb", "4", "--runs", "1", "--leaves", "0", "--warm", "1",
+                       "--scenario", scenario], tmp_path / "c.json")
   (row,) = result["by_leaves"].values()
   assert set(row["systems"]) == {"snapstore", "snapstore_host_files", "orbax_snapshotter"}
   assert set(row["over_orbax"]) == {"snapstore", "snapstore_host_files"}
+  if scenario == "elastic":  # every phase of Orbax's benchmark, cold and warm
+    assert set(row["over_orbax"]["snapstore"]) == {
+        f"{r}_{p}_s" for r in ("cold", "warm") for p in cold.ELASTIC_PHASES}
   _positive(*[v for m in row["systems"].values() for v in m.values()],
             *[v for m in row["over_orbax"].values() for v in m.values()])
 
