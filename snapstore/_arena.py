@@ -113,25 +113,24 @@ def _populate(m: mmap.mmap, stop: Callable[[], bool] = lambda: False) -> None:
 POPULATE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-_faulting_lock = threading.Lock()
-_faulting_seconds = 0.0
+_faulting = threading.local()
 
 
 def faulting_seconds() -> float:
-  """Seconds this process has spent faulting fresh memory in
+  """Seconds the calling thread has spent faulting fresh memory in
   (:func:`_populate_now`): a first-use cost, which the steady state does
-  not pay. The manager reports the part of each restore and snapshot."""
-  return _faulting_seconds
+  not pay. Per thread, so that a manager counts its own: it reports the
+  part of each restore (its thread) and snapshot (capture, and its drain
+  thread)."""
+  return float(getattr(_faulting, "seconds", 0.0))
 
 
 def _populate_now(m: mmap.mmap, threads: int = POPULATE_THREADS) -> None:
-  global _faulting_seconds
   t = time.perf_counter()
   try:
     _populate_now_timed(m, threads)
   finally:
-    with _faulting_lock:
-      _faulting_seconds += time.perf_counter() - t
+    _faulting.seconds = faulting_seconds() + time.perf_counter() - t
 
 
 def _populate_now_timed(m: mmap.mmap, threads: int) -> None:
@@ -151,7 +150,8 @@ def _populate_now_timed(m: mmap.mmap, threads: int) -> None:
   def run(lo: int, hi: int) -> None:
     for at in range(lo, hi, POPULATE_CHUNK):
       if _MADVISE(base + at, min(POPULATE_CHUNK, hi - at), _POPULATE_WRITE) != 0:
-        return  # (e.g. no memory for a huge page): the copy faults the rest in
+        pages[at:hi:mmap.PAGESIZE] = 0  # (a kernel without the advice): a write a page
+        return
   workers = [threading.Thread(target=run, args=(lo, min(lo + per, size)),
                               name="snapstore-populate", daemon=True)
              for lo in range(0, size, per)]
@@ -186,9 +186,22 @@ def _give_back(m: mmap.mmap) -> None:
       pass
   with _spares_lock:
     _spares.append((time.monotonic(), m))
-  timer = threading.Timer(SPARE_SECONDS, expire_spares)
+  timer = threading.Timer(SPARE_SECONDS, _expire, args=(m,))
   timer.daemon = True
   timer.start()
+
+
+def _expire(m: mmap.mmap) -> None:
+  """Unmaps spare ``m`` if it is still kept (its time is up)."""
+  with _spares_lock:
+    kept = [i for i, (_, x) in enumerate(_spares) if x is m]
+    if not kept:
+      return  # taken meanwhile
+    del _spares[kept[0]]
+  try:
+    m.close()
+  except BufferError:  # (a view appeared: it keeps the memory until it goes)
+    pass
 
 
 def expire_spares(now: float | None = None) -> None:
@@ -264,9 +277,12 @@ class ArenaCache:
     self._wanted.set()
     with self._lock:
       self._wanted.clear()
-      if self._idle(flush=True) and len(self._kept[0]) >= nbytes:
+      idle = self._idle(flush=True)
+      if idle and len(self._kept[0]) >= nbytes:
         m = self._kept[0]  # writing cancels a MADV_FREE: pages not taken stay
       else:
+        if idle:  # too small for this one: another arena may take it
+          _give_back(self._kept[0])
         m = _reuse(nbytes) or _mapping(nbytes)
         self._kept = [m]  # a busy one lives on with its users, unmapped after them
         self._resident = False

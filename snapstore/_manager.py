@@ -228,10 +228,12 @@ class SnapshotManager:
   def _drain(self, pending: Any) -> None:
     t0 = time.perf_counter()
     faulting = _arena.faulting_seconds()
-    with _switch.lowered(self.options.drain_switch_interval_s), \
-        _switch.collections_paused(self.options.pause_gc):
-      nbytes = self.backend.drain(pending)  # drops the capture's views, inside the pause
-    self.metrics.first_touch_seconds += _arena.faulting_seconds() - faulting
+    try:
+      with _switch.lowered(self.options.drain_switch_interval_s), \
+          _switch.collections_paused(self.options.pause_gc):
+        nbytes = self.backend.drain(pending)  # drops the capture's views, inside the pause
+    finally:
+      self.metrics.first_touch_seconds += _arena.faulting_seconds() - faulting
     if not self.options.prefault_restore:  # (else kept in place for a recovery)
       self._arenas.trim()  # the last restore's memory, if the state left it
     self._prefault_ahead()
