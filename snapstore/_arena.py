@@ -184,24 +184,31 @@ def _give_back(m: mmap.mmap) -> None:
       m.madvise(advice)
     except OSError:
       pass
+  global _reaper
   with _spares_lock:
     _spares.append((time.monotonic(), m))
-  timer = threading.Timer(SPARE_SECONDS, _expire, args=(m,))
-  timer.daemon = True
-  timer.start()
+    if _reaper is None or not _reaper.is_alive():
+      _reaper = threading.Thread(target=_reap, name="snapstore-spares", daemon=True)
+      _reaper.start()
 
 
-def _expire(m: mmap.mmap) -> None:
-  """Unmaps spare ``m`` if it is still kept (its time is up)."""
-  with _spares_lock:
-    kept = [i for i, (_, x) in enumerate(_spares) if x is m]
-    if not kept:
-      return  # taken meanwhile
-    del _spares[kept[0]]
-  try:
-    m.close()
-  except BufferError:  # (a view appeared: it keeps the memory until it goes)
-    pass
+_reaper: threading.Thread | None = None
+
+
+def _reap() -> None:
+  """One thread a process, while spares are kept: unmaps each when its
+  time is up (:func:`expire_spares`), then ends when none is left."""
+  global _reaper
+  while True:
+    with _spares_lock:
+      if not _spares:
+        _reaper = None  # (under the lock: the next give-back starts another)
+        return
+      wait = _spares[0][0] + SPARE_SECONDS - time.monotonic()
+    if wait > 0:
+      time.sleep(min(wait, 1.0))
+    else:
+      expire_spares()
 
 
 def expire_spares(now: float | None = None) -> None:

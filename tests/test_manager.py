@@ -594,3 +594,22 @@ def test_memory_a_closed_pinned_manager_lets_go_of_never_holds_a_live_state():
     got[:] = 0xFF
     taken.append((arena, got))
   assert_bitwise_equal(expected, restored)
+
+
+def test_one_thread_reaps_every_spare_and_ends_when_none_is_left(monkeypatch):
+  """However many mappings are let go of, one thread unmaps them when their
+  time is up, and it ends when none is left (no thread per mapping)."""
+  from snapstore import _arena
+  monkeypatch.setattr(_arena, "SPARE_SECONDS", 0.2)
+  before = threading.active_count()
+  caches = [_arena.ArenaCache() for _ in range(8)]
+  held = [cache.take(1 << 16) for cache in caches]  # eight distinct mappings
+  del held
+  for cache in caches:
+    cache.release()
+  assert _arena.spare_bytes() >= 8 << 16
+  assert threading.active_count() <= before + 1
+  reaper = _arena._reaper
+  assert reaper is not None
+  reaper.join(timeout=10)
+  assert not reaper.is_alive() and _arena.spare_bytes() == 0
