@@ -59,9 +59,9 @@ class BadCopy(Exception):
     super().__init__(f"{why} in {what_copy(key, leaf)} held by {holder or f'host {key[0]}'}")
     self.key = key
     self.leaf = leaf
-    #: the store whose memory raised a JAX runtime error on read (its domain
-    #: is gone, e.g. DATA_LOSS on Pathways): the manager forgets it and plans
-    #: again without it. None: only this copy is bad.
+    #: the store whose memory raised DATA_LOSS on read (its domain's memory
+    #: is gone, as Pathways says it): the manager forgets what it held and
+    #: plans again without it. None: only this copy is bad.
     self.lost_store = lost_store
 
 

@@ -8,9 +8,9 @@ for the slices it needs, and runs the function again, which restores through
 ``checkpointing.load_state_if_possible`` (wrapped by :mod:`.train`).
 
 :class:`ElasticSide` keeps the per-slice stores in step with that: on the
-event, the slices that are down *then* are forgotten (their hosts' memory is
-gone, even if they are back by the next attempt); before each attempt the
-active slices are set, so snapshots and their cross-slice copies go to those
+event, the slices that were active and are down *then* are forgotten (their
+hosts' memory is gone, even if they are back by the next attempt); before
+each attempt the active slices are set, so snapshots and their cross-slice copies go to those
 only. It also writes each event into the process's report: its kind, the
 slices lost, the slices the next attempt ran on, where that attempt restored
 from, the steps lost, and the time from the event to the first new step.

@@ -141,8 +141,9 @@ class _Engine:
                     callback_fn: Callable[[], Any] | None = None,
                     pre_callback_fn: Callable[[], Any] | None = None) -> Any:
     """MaxText's ``elastic_utils.elastic_retry``, with snapstore's two
-    callbacks chained before MaxText's: on the event, the slices lost then
-    are forgotten; before each attempt, the active ones are set."""
+    callbacks chained into MaxText's (MaxText runs its own cleanup first):
+    on the event, the slices that were active and are down then are
+    forgotten; before each attempt, the active ones are set."""
     if self.enabled and getattr(config, "dataset_type", None) == "grain":
       raise MaxTextConfigError(
           "dataset_type=grain with elastic_enabled=true: snapstore cannot yet carry the "

@@ -223,7 +223,7 @@ class PinnedHostBackend(DomainStores):
         if as_checksum(got[rows[device]]) != tuple(copy.record.checksum):
           raise BadCopy(copy.key(plan.step), spec.path, holder=f"slice {copy.store}")
     except BadCopy as e:
-      assembler.bad[e.key] = e
+      assembler.mark_bad(e)
       return None
     except RuntimeError:  # an unreadable copy: the general path finds which
       return None
