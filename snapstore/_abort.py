@@ -203,6 +203,9 @@ class Watchdog:
     self._peer_ports: set[int] = set()
     #: process -> (its beat token, beat time) when the current membership formed
     self.members: dict[int, tuple[str, float]] = {}
+    #: the processes of the current membership (None: every one): a job
+    #: running on fewer hosts is not stuck on the one it left behind
+    self.watched: AbstractSet[int] | None = None
 
   def start(self) -> Watchdog:
     """Starts beating and watching (:meth:`abort` works without it). The
@@ -246,8 +249,13 @@ class Watchdog:
     last = dict.fromkeys(map(str, range(self._processes)), self._started)  # none yet: since
     tokens: dict[str, str] = {}                                  # this watchdog started
     mono = time.monotonic()
+    watched = self.watched
+    if watched is not None:
+      last = {p: t for p, t in last.items() if int(p) in watched}
     for key, raw in self._client.key_value_dir_get(BEATS):
       beat, peer = json.loads(raw), key.rsplit("/", 1)[-1]
+      if watched is not None and int(peer) not in watched:
+        continue
       last[peer], tokens[peer] = float(beat["t"]), beat["process"]
       peer_ports.update(beat["ports"])
       if self._changed.get(peer, (None,))[0] != beat["t"]:

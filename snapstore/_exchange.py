@@ -49,6 +49,8 @@ def gather_manifests(local: Sequence[Manifest], values: Sequence[int] = ()
   out: list[Manifest] = []
   maxes: list[int] | None = None
   for blob in blobs:
+    if not blob:  # a process outside the job's membership (it went on without it)
+      continue
     manifests, theirs = msgpack.unpackb(blob)
     out.extend(decode(b) for b in manifests)
     if len(theirs) != len(values):

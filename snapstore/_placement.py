@@ -41,26 +41,49 @@ def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) ->
   return {d.process_index: d.process_index for d in devices}
 
 
-def _device_ring(devices: Sequence[jax.Device], domains: dict[int, int],
-                 shift: int) -> dict[jax.Device, jax.Device]:
+def host_rings(domains: Mapping[int, int], replicas: int) -> list[dict[int, int]]:
+  """Host permutations (host -> the host that keeps a replica of its
+  shards), one per replica round, over the hosts of ``domains``.
+
+  Domains of one size: the ring over domains (round ``r`` sends the host at
+  position ``p`` of domain ``k`` to position ``p`` of domain ``(k + r) % D``).
+  Domains of several sizes (a job that goes on without a host): shifts of
+  the hosts sorted by domain, as many as it takes until every host reaches
+  ``min(replicas, D - 1)`` other domains; a round may map some hosts into
+  their own domain, whose copies are then extra, not missing."""
   by_domain: dict[int, list[int]] = collections.defaultdict(list)
   for h in sorted(domains):
     by_domain[domains[h]].append(h)
   keys = sorted(by_domain)
-  sizes = {len(v) for v in by_domain.values()}
-  if len(sizes) != 1:
-    raise ValueError(f"failure domains have different sizes: "
-                     f"{ {k: len(v) for k, v in by_domain.items()} }")
+  want = min(replicas, len(keys) - 1)
+  if len({len(v) for v in by_domain.values()}) == 1:
+    return [{h: by_domain[keys[(keys.index(k) + r) % len(keys)]][by_domain[k].index(h)]
+             for h, k in domains.items()} for r in range(1, want + 1)]
+  order = sorted(domains, key=lambda h: (domains[h], h))
+  reached: dict[int, set[int]] = {h: set() for h in order}
+  rings: list[dict[int, int]] = []
+  for shift in range(1, len(order)):
+    if all(len(v) >= want for v in reached.values()):
+      break
+    ring = {h: order[(i + shift) % len(order)] for i, h in enumerate(order)}
+    new = {h: domains[p] for h, p in ring.items()
+           if domains[p] != domains[h] and len(reached[h]) < want
+           and domains[p] not in reached[h]}
+    if new:
+      rings.append(ring)
+      for h, d in new.items():
+        reached[h].add(d)
+  return rings
+
+
+def _device_ring(devices: Sequence[jax.Device], ring: Mapping[int, int]
+                 ) -> dict[jax.Device, jax.Device]:
+  """``ring`` (host -> host) on devices: each host's i-th device (by id) to
+  the i-th device of its ring peer."""
   local: dict[int, list[jax.Device]] = collections.defaultdict(list)
   for d in sorted(devices, key=lambda d: d.id):
     local[d.process_index].append(d)
-  out = {}
-  for h, k in domains.items():
-    pos = by_domain[k].index(h)
-    peer = by_domain[keys[(keys.index(k) + shift) % len(keys)]][pos]
-    for i, d in enumerate(local[h]):
-      out[d] = local[peer][i]
-  return out
+  return {d: local[ring[h]][i] for h, ds in local.items() for i, d in enumerate(ds)}
 
 
 def replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
@@ -79,11 +102,12 @@ def replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
 def _replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
                        domain_items: tuple[tuple[int, int], ...],
                        replicas: int) -> tuple[NamedSharding, ...]:
-  domains = dict(domain_items)
   if replicas == 0 or not isinstance(sharding, NamedSharding):
     return ()
-  num_domains = len(set(domains.values()))
   device_set: set[jax.Device] = sharding.device_set
+  present = {d.process_index for d in device_set}  # (a job gone on without a host:
+  domains = {h: k for h, k in domain_items if h in present}  # not every host of the job)
+  num_domains = len(set(domains.values()))
   if num_domains < 2 or len({domains[d.process_index] for d in device_set}) < 2:
     return ()
   idx_map: Mapping[jax.Device, Any] = sharding.devices_indices_map(shape)
@@ -94,8 +118,8 @@ def _replica_shardings(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
     return ()
   mesh = sharding.mesh
   out = []
-  for r in range(1, min(replicas, num_domains - 1) + 1):
-    ring = _device_ring(list(mesh.devices.flat), domains, r)
+  for hosts in host_rings(domains, replicas):
+    ring = _device_ring(list(mesh.devices.flat), hosts)
     # Device ring[d] must hold what d holds: place ring[d] where d was.
     devices = np.vectorize(ring.__getitem__, otypes=[object])(mesh.devices)
     out.append(NamedSharding(Mesh(devices, mesh.axis_names,

@@ -114,8 +114,9 @@ def _launch(args: argparse.Namespace) -> int:
                   store_dir=args.store_dir, run_id=args.run_id, kills=args.kill,
                   shrink_to=args.shrink_to, max_incarnations=args.max_incarnations,
                   timeout_s=args.timeout, log_dir=args.log_dir,
-                  bind_address=args.bind_address, in_place=args.in_place)
-  except (RuntimeError, TimeoutError) as e:
+                  bind_address=args.bind_address, in_place=args.in_place,
+                  min_hosts=args.min_hosts, replacement_delay_s=args.replacement_delay)
+  except (RuntimeError, TimeoutError, ValueError) as e:
     print(f"snapstore launch: {e}", file=sys.stderr)
     return 1
   rows = []
@@ -183,6 +184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   la.add_argument("--in-place", action="store_true",
                   help="survivors keep running; only a dead host is restarted "
                   "(snapstore.recovery; the worker must use recovery.InPlace)")
+  la.add_argument("--min-hosts", type=int, default=None,
+                  help="with --in-place: go on while at least N hosts are live, without "
+                  "waiting for a replacement, and grow back when it joins")
+  la.add_argument("--replacement-delay", type=float, default=0.0, metavar="S",
+                  help="with --in-place: start a dead host's replacement S seconds later "
+                  "(no spare host at once)")
   la.add_argument("--json", default=None, help="write the incarnation report here")
   la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
   la.set_defaults(fn=_launch)

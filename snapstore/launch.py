@@ -102,6 +102,8 @@ class Incarnation:
   replaced: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # in place
   fenced: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # hung, killed
   fallback: str | None = None  # why an in-place job restarted in full
+  resizes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # ran short, grew
+  unreplaced: list[int] = dataclasses.field(default_factory=list)  # the job ended first
   digests: dict[str, str] = dataclasses.field(default_factory=dict)  # step -> state digest
 
   @property
@@ -185,6 +187,38 @@ def _fence(inc: Incarnation, procs: dict[int, subprocess.Popen[bytes]],
                          "fenced": time.time()})
 
 
+def report_restart(why: str) -> None:
+  """Under :func:`launch`: why this worker asks for a full restart (it
+  exits with ``recovery.RESTART_EXIT_CODE`` next); ``Incarnation.fallback``
+  carries it."""
+  where, job, me = (os.environ.get(REPORT_DIR_ENV), incarnation_from_env(),
+                    os.environ.get("SNAPSTORE_HOST", ""))
+  if where and job is not None and me.isdigit():
+    write_atomic(Path(where) / f"restart-inc{job}-host{me}.json", json.dumps(why).encode())
+
+
+def _restart_reason(report_dir: Path, number: int, host: int) -> str:
+  try:
+    return str(json.loads((report_dir / f"restart-inc{number}-host{host}.json").read_text()))
+  except (OSError, ValueError):
+    return "no reason given"
+
+
+def report_resize(change: dict[str, Any], *, replace_last: bool = False) -> None:
+  """Under :func:`launch`: the job went on with other processes than
+  before (``recovery.Resize.as_dict()``); the incarnation report lists
+  every such change (``Incarnation.resizes``). ``replace_last``: the same
+  change, now with its first step's time."""
+  where, job = os.environ.get(REPORT_DIR_ENV), incarnation_from_env()
+  if where and job is not None:
+    path = Path(where) / f"resize-inc{job}.json"
+    doc = json.loads(path.read_text()) if path.exists() else []
+    if replace_last and doc and doc[-1]["formed_at"] == change["formed_at"]:
+      doc.pop()
+    doc.append(change)
+    write_atomic(path, json.dumps(doc).encode())
+
+
 def report_digest(step: int, digest: str, incarnation: int) -> None:
   """Under :func:`launch`: host 0 records the global state's digest at
   ``step``; the supervisor's report (``--json``) carries them per incarnation,
@@ -266,7 +300,9 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
            env: dict[str, str] | None = None,
            between: Callable[[Incarnation], None] | None = None,
            bind_address: str = "127.0.0.1", in_place: bool = False,
-           host_service: bool = True, max_replacements: int = 8) -> list[Incarnation]:
+           host_service: bool = True, max_replacements: int = 8,
+           min_hosts: int | None = None,
+           replacement_delay_s: float = 0.0) -> list[Incarnation]:
   """Runs ``python -m module args`` on ``num_hosts`` local processes until all
   exit 0, restarting the whole job after a failure.
 
@@ -285,11 +321,27 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   replacements, or a JAX without the APIs it needs restart the whole job
   instead (``Incarnation.fallback`` says why).
 
+  ``min_hosts`` (in place): the survivors go on while at least this many
+  hosts are live, without waiting for a replacement
+  (:class:`snapstore.recovery.ResizePolicy`), and grow back when it joins;
+  ``replacement_delay_s`` starts each replacement that much later (no spare
+  host at once). Replacements not yet started when a worker finishes are
+  not started (``Incarnation.unreplaced``); each change of the job's hosts
+  is in ``Incarnation.resizes``.
+
   ``shrink_to`` restarts with fewer hosts (the first ``shrink_to`` stores are
   kept). ``between(inc)`` runs after a failed incarnation, before the next
   (tests use it to damage stores). Raises ``RuntimeError`` if the job still
   fails after ``max_incarnations``, ``TimeoutError`` past ``timeout_s``.
   """
+  if (min_hosts is not None or replacement_delay_s) and not in_place:
+    raise ValueError("min_hosts and replacement_delay_s are for in-place jobs (in_place=True)")
+  if min_hosts is not None and not 1 <= min_hosts <= num_hosts:
+    raise ValueError(f"min_hosts must be between 1 and num_hosts ({num_hosts}), "
+                     f"got {min_hosts}")
+  if not 0.0 <= replacement_delay_s < float("inf"):
+    raise ValueError(f"replacement_delay_s must be a finite number >= 0, "
+                     f"got {replacement_delay_s!r}")
   out: list[Incarnation] = []
   hosts = num_hosts
   carried = [k for k in kills if k.incarnation is None]  # fired in any incarnation
@@ -303,8 +355,9 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     out.append(inc)
     report = report_dir / f"restore-inc{number}.json"
     digests = report_dir / f"digests-inc{number}.json"
-    report.unlink(missing_ok=True)
-    digests.unlink(missing_ok=True)
+    for stale in (report, digests, report_dir / f"resize-inc{number}.json",
+                  *report_dir.glob(f"restart-inc{number}-host*.json")):
+      stale.unlink(missing_ok=True)
     pending = ([k for k in kills if k.incarnation == number and k.host < hosts]
                + [k for k in carried if k.host < hosts])
     armed: dict[int, list[Kill]] = {}  # what each host's running process was armed with
@@ -315,6 +368,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       inc.fallback = recovery.unsupported()
       if inc.fallback is None:
         extra_env = {IN_PLACE_ENV: "1"}
+        if min_hosts is not None:
+          extra_env[recovery.MIN_HOSTS_ENV] = str(min_hosts)
         if host_service:
           service = recovery.start_service(f"{bind_address}:{port}", hosts)
           extra_env[recovery.SERVICE_ENV] = "external"
@@ -345,6 +400,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
 
     procs = {h: start(h) for h in range(hosts)}
     started = dict.fromkeys(procs, time.time())  # when each host's process started
+    due_at: dict[int, float] = {}  # host -> when its replacement starts (in place)
     fence_at = 0.0
     seen_at: dict[int, float] = {}  # step -> when a host to kill there reported it
     failed = False
@@ -381,10 +437,22 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
             procs[k.host].wait()
           _record_kill(inc, k, store_dir, run_id)
           _fired(k, pending, carried)
+      for h in [h for h, t in due_at.items() if time.time() >= t]:
+        del due_at[h]
+        procs[h] = start(h)  # the same host id; the others keep running
+        started[h] = time.time()
+        next(r for r in reversed(inc.replaced) if r["host"] == h)["started"] = started[h]
+      if due_at and any(c == 0 for c in inc.exit_codes.values()):  # the job is ending
+        inc.unreplaced = sorted(due_at)
+        for h in due_at:
+          del procs[h]
+        due_at.clear()
       if extra_env and service is not None and now >= fence_at:
         fence_at = now + FENCE_POLL_S
         _fence(inc, procs, started, report_dir, now)
       for h, p in procs.items():
+        if h in due_at:  # dead, its replacement not started yet
+          continue
         freeze = next((k for k in armed.get(h, ()) if k.freeze), None)
         if (freeze is not None and p.poll() is None and p.pid not in sent
             and _stopped(p.pid)):  # it froze at its (first) armed freeze
@@ -405,15 +473,15 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
           elif len(inc.replaced) < max_replacements:
             attempts[h] += 1
             inc.replaced.append({"host": h, "exit_code": code, "died": time.time()})
-            procs[h] = start(h)  # the same host id; the others keep running
-            started[h] = inc.replaced[-1]["started"] = time.time()
-            logger.info("incarnation %d: host %d exited %d; replaced in place", number, h,
-                        code)
+            due_at[h] = time.time() + replacement_delay_s
+            logger.info("incarnation %d: host %d exited %d; replaced in place%s", number, h,
+                        code, f" in {replacement_delay_s:g} s" if replacement_delay_s else "")
             continue
           else:
             inc.fallback = f"more than {max_replacements} replacements"
         elif extra_env and code == recovery.RESTART_EXIT_CODE:
-          inc.fallback = f"host {h} asked for a full restart (exit {code})"
+          inc.fallback = (f"host {h} asked for a full restart (exit {code}): "
+                          f"{_restart_reason(report_dir, number, h)}")
         inc.exit_codes[h] = code
         failed = failed or code != 0
       if failed:  # the coordination service would abort the rest: do it now.
@@ -436,6 +504,9 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       inc.restore = inc.restores[0]
     if digests.exists():
       inc.digests = json.loads(digests.read_text())
+    resizes = report_dir / f"resize-inc{number}.json"
+    if resizes.exists():
+      inc.resizes = json.loads(resizes.read_text())
     if not failed and carried:
       raise RuntimeError(f"{len(carried)} kills never fired, the first {carried[0]}: the job "
                          "ended before it reached them")

@@ -262,6 +262,79 @@ def _orbax_barriers_in_the_service() -> None:
   _orbax_barrier.install()
 
 
+MIN_HOSTS_ENV = "SNAPSTORE_MIN_HOSTS"  # InPlace's default min_hosts (launch --min-hosts)
+REPLACEMENT_WAIT_ENV = "SNAPSTORE_REPLACEMENT_WAIT_S"  # ... and replacement_wait_s
+_RESIZE = "snapstore/resize"  # membership -> the first block that runs without the missing
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizePolicy:
+  """When a job goes on with fewer processes than it started with.
+
+  ``min_hosts`` None: never (survivors wait for a replacement, then the job
+  restarts in full). Else, while at least ``min_hosts`` processes are live,
+  the survivors wait ``replacement_wait_s`` for a replacement (0: not at
+  all) and then go on without the missing ones: ``live()`` yields the live
+  devices only, ``changed`` is set, and the state is restored onto the
+  smaller mesh. A process that joins later (a replacement) is taken in at
+  the next block: ``changed`` again, and the job is back to more hosts."""
+
+  min_hosts: int | None = None
+  replacement_wait_s: float = 0.0
+
+  def __post_init__(self) -> None:
+    if self.min_hosts is not None and self.min_hosts < 1:
+      raise ValueError(f"min_hosts must be >= 1 or None, got {self.min_hosts!r}")
+    if not 0.0 <= self.replacement_wait_s < float("inf"):
+      raise ValueError("replacement_wait_s must be a finite number of seconds >= 0, got "
+                       f"{self.replacement_wait_s!r}")
+
+  @classmethod
+  def from_env(cls, min_hosts: int | None, replacement_wait_s: float | None, *,
+               hosts: int) -> ResizePolicy:
+    """The policy given, else ``$SNAPSTORE_MIN_HOSTS`` and
+    ``$SNAPSTORE_REPLACEMENT_WAIT_S`` (what ``snapstore launch --min-hosts``
+    sets). ``min_hosts`` >= ``hosts`` is None: the job never runs short."""
+    if min_hosts is None:
+      raw = os.environ.get(MIN_HOSTS_ENV, "")
+      if raw:
+        if not raw.isdigit():
+          raise ValueError(f"${MIN_HOSTS_ENV} must be a whole number, got {raw!r}")
+        min_hosts = int(raw)
+    if replacement_wait_s is None:
+      raw = os.environ.get(REPLACEMENT_WAIT_ENV, "0")
+      try:
+        replacement_wait_s = float(raw)
+      except ValueError:
+        raise ValueError(f"${REPLACEMENT_WAIT_ENV} must be seconds, got {raw!r}") from None
+    if min_hosts is not None and min_hosts >= hosts:
+      min_hosts = None
+    return cls(min_hosts, replacement_wait_s)
+
+
+@dataclasses.dataclass
+class Resize:
+  """A membership of other processes than the last: ``kind`` "shrink" (the
+  job goes on without ``lost``), "grow" (``joined`` came back) or "reform"
+  (both); ``failed_at``: when the step that found it failed (or when it
+  was seen, for a join); ``formed_at``: when the new membership's first
+  block began; ``first_step_at``: when its first block after the restore
+  ended (the first step on the new mesh)."""
+
+  kind: str
+  failed_at: float
+  formed_at: float
+  before: list[int]
+  after: list[int]
+  lost: list[int]
+  joined: list[int]
+  full: bool
+  first_step_at: float | None = None
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass
 class Recovery:
   """One failure seen by this process and what followed."""
@@ -295,7 +368,8 @@ class InPlace:
   """
 
   def __init__(self, *, max_failures: int = 3, wait_timeout_s: float = 120.0,
-               poll_s: float = 0.05, abort_after_s: float | None = DEFAULT_ABORT_AFTER_S):
+               poll_s: float = 0.05, abort_after_s: float | None = DEFAULT_ABORT_AFTER_S,
+               min_hosts: int | None = None, replacement_wait_s: float | None = None):
     from jax._src import distributed
     from jax.experimental.multihost_utils import ProcessFailureError, live_devices
     client = distributed.global_state.client
@@ -307,6 +381,13 @@ class InPlace:
         ProcessFailureError, MembersMissing, PeerFailed, jax.errors.JaxRuntimeError)
     self.max_failures, self.wait_timeout_s, self.poll_s = max_failures, wait_timeout_s, poll_s
     self._all = jax.devices()
+    self.resize = ResizePolicy.from_env(min_hosts, replacement_wait_s,
+                                        hosts=jax.process_count())
+    self._shrunk: tuple[tuple[int, int], ...] | None = None  # the membership that may run short
+    self._missing_since: tuple[tuple[tuple[int, int], ...], float] | None = None
+    self._hosts: tuple[int, ...] = tuple(range(jax.process_count()))
+    self.resizes: list[Resize] = []
+    self._formed_at = time.time()  # when the current membership formed
     self._key: tuple[tuple[int, int], ...] | None = None
     self._entered: tuple[tuple[int, int], ...] | None = None
     self._block = 0
@@ -354,7 +435,7 @@ class InPlace:
         self._entered, self._block = key, 0
       self._block += 1
       failure = f"{_FAILED}/{hashlib.sha256(repr(key).encode()).hexdigest()}/{self._block}"
-      if len(devices) < len(self._all):
+      if len(devices) < len(self._all) and not self._may_run_short(key, devices):
         gone = tuple(sorted({d.process_index for d in self._all}
                             - {d.process_index for d in devices}))
         raise MembersMissing(f"{len(self._all) - len(devices)} of {len(self._all)} "
@@ -365,13 +446,18 @@ class InPlace:
           self.devices = self._order_for(key, incarnations)
           _group.set_devices(self.devices)
           _group.set_membership(hashlib.sha256(repr(key).encode()).hexdigest()[:16])
+          hosts = tuple(sorted({d.process_index for d in devices}))
           if self.watchdog is not None:
+            self.watchdog.watched = set(hosts)
             try:
               self.watchdog.remember_members()
             except Exception:  # noqa: BLE001  (beats unread: only staleness counts)
               self.watchdog.members = {}
           self.generation += 1
           self._key = key
+          if hosts != self._hosts:
+            self._resized(hosts)
+          self._formed_at = time.time()
         if self.changed and self.recoveries and self.recoveries[-1].healed_at is None:
           self.recoveries[-1].healed_at = time.time()
           self.recoveries[-1].generation = self.generation
@@ -397,6 +483,68 @@ class InPlace:
       raise PeerFailed(f"process {who} failed this step")
     if not self.changed:  # a step after the restore ran: the job is past the failure
       self._in_a_row = 0
+      if self.resizes and self.resizes[-1].first_step_at is None:
+        self.resizes[-1].first_step_at = time.time()
+        if self._hosts[0] == jax.process_index():
+          from . import launch
+          launch.report_resize(self.resizes[-1].as_dict(), replace_last=True)
+
+  @property
+  def hosts(self) -> tuple[int, ...]:
+    """The processes of the current membership (all of them unless the job
+    runs short: :class:`ResizePolicy`)."""
+    return self._hosts
+
+  def _may_run_short(self, key: tuple[tuple[int, int], ...], devices: list[jax.Device]) -> bool:
+    """Whether the job goes on without the missing processes (inside the
+    block, so the same answer on every live process; see
+    :class:`ResizePolicy`). Once the wait for a replacement is over, a
+    process writes the decision for the next block in the service before
+    it leaves this one: every process reads it only after that block's
+    exit barrier, so all of them run short from the same block."""
+    hosts = len({d.process_index for d in devices})
+    if self.resize.min_hosts is None or hosts < self.resize.min_hosts:
+      return False
+    if key == self._shrunk:
+      return True
+    named = f"{_RESIZE}/{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}"
+    decided = self.resize.replacement_wait_s <= 0
+    if not decided:
+      try:
+        decided = self._client.key_value_try_get(f"{named}/{self._block}") is not None
+      except Exception:  # noqa: BLE001  (NOT_FOUND: not yet)
+        decided = False
+    if decided:
+      self._shrunk = key
+      return True
+    if self._missing_since is None or self._missing_since[0] != key:
+      self._missing_since = (key, time.monotonic())
+    elif time.monotonic() - self._missing_since[1] >= self.resize.replacement_wait_s:
+      with contextlib.suppress(Exception):  # ALREADY_EXISTS: another process wrote it
+        self._client.key_value_set(f"{named}/{self._block + 1}", "1")
+    return False
+
+  def _resized(self, hosts: tuple[int, ...]) -> None:
+    """Records a membership of other processes than the last one's."""
+    before, self._hosts = self._hosts, hosts
+    now = time.time()
+    failed_at = (self.recoveries[-1].failed_at if self.recoveries
+                 and self.recoveries[-1].healed_at is None else now)
+    lost = sorted(set(before) - set(hosts))
+    joined = sorted(set(hosts) - set(before))
+    full = len(hosts) == jax.process_count()
+    kind = ("grow" if joined and not lost else "shrink" if lost and not joined else "reform")
+    self.resizes.append(Resize(kind, failed_at, now, list(before), list(hosts),
+                               lost, joined, full))
+    logger.warning("the job goes on with %d of %d processes (%s: lost %s, joined %s)",
+                   len(hosts), jax.process_count(), kind, lost, joined)
+    from . import launch  # (the supervisor's side of the protocol)
+    gone = sorted(set(range(jax.process_count())) - set(hosts))
+    if gone:  # (a hung one still runs: the supervisor fences and replaces it; the
+      # time: when it was last a member, so a replacement started since is not fenced)
+      launch.report_missing(gone, self._formed_at)
+    if hosts[0] == jax.process_index():  # one writer
+      launch.report_resize(self.resizes[-1].as_dict())
 
   def _order_for(self, key: tuple[tuple[int, int], ...],
                  incarnations: dict[jax.Device, int]) -> list[jax.Device]:
@@ -417,13 +565,13 @@ class InPlace:
     if fresh:  # another member of this membership chose already
       self._order_name = fresh[0]
       return [by_id[i] for i in docs[fresh[0]]["order"]]
-    order = _group.devices()
+    order = sorted(incarnations, key=lambda d: (d.process_index, d.id))  # JAX's
     if docs and _group.rekey_needed(self._all[0].platform):
       # a draw every process makes alike, from the same orders
       stale = set().union(*(_group.cliques(d["order"]) for d in docs.values()))
       fresh_order = _group.rekeyed(incarnations, stale, {d.id for d in self._all})
       if fresh_order is None:
-        raise RestartRequired(f"no device order is left whose every group is new after "
+        raise _restart(f"no device order is left whose every group is new after "
                               f"{len(docs)} memberships; a full restart clears the old "
                               "communicators")
       order = fresh_order
@@ -445,8 +593,13 @@ class InPlace:
       self.watchdog.stop()
     with contextlib.suppress(Exception):  # (only to name the late ones)
       self._client.key_value_set(f"{_DONE}/{jax.process_index()}", "1", allow_overwrite=True)
+    short = len(self._hosts) < jax.process_count()  # (the others are gone)
     try:
-      self._client.wait_at_barrier("snapstore/done", int(timeout_s * 1000))
+      if short:
+        self._client.wait_at_barrier(f"snapstore/done/{_group.membership()}",
+                                     int(timeout_s * 1000), list(self._hosts))
+      else:
+        self._client.wait_at_barrier("snapstore/done", int(timeout_s * 1000))
     except Exception as e:  # (the service's DEADLINE_EXCEEDED, or a death)
       raise TimeoutError(f"close(): process(es) {self._absent(_DONE)} did not reach the end "
                          f"of the job in {timeout_s:.0f} s (close(timeout_s=...)): "
@@ -456,7 +609,7 @@ class InPlace:
       jax.distributed.shutdown()
       return
     deadline = time.monotonic() + timeout_s  # the service is here: leave last
-    while (len(self._client.key_value_dir_get(_LEFT)) < jax.process_count() - 1
+    while (len(self._client.key_value_dir_get(_LEFT)) < len(self._hosts) - 1
            and time.monotonic() < deadline):
       time.sleep(self.poll_s)
     if time.monotonic() >= deadline:
@@ -489,7 +642,7 @@ class InPlace:
         launch.report_missing(missing.processes, missing.since or self._waiting_since)
       if not body:  # live() found it at the entry: nothing ran, wait for the replacement
         if now - self._waiting_since > self.wait_timeout_s:
-          raise RestartRequired(f"no replacement joined in {self.wait_timeout_s:.0f} s: "
+          raise _restart(f"no replacement joined in {self.wait_timeout_s:.0f} s: "
                                 f"{error}") from error
         time.sleep(self.poll_s)
         return
@@ -512,8 +665,17 @@ class InPlace:
     self.recoveries.append(Recovery(why, now))
     logger.warning("step failed (%s); waiting for the job to heal", self.recoveries[-1].error)
     if self._in_a_row >= self.max_failures:
-      raise RestartRequired(f"{self._in_a_row} failed steps in a row; the last: "
+      raise _restart(f"{self._in_a_row} failed steps in a row; the last: "
                             f"{self.recoveries[-1].error}") from error
+
+
+def _restart(why: str) -> RestartRequired:
+  """The error that ends in-place recovery here, its reason given to the
+  supervisor first (``launch``'s incarnation report carries it)."""
+  from . import launch
+  with contextlib.suppress(OSError):
+    launch.report_restart(why)
+  return RestartRequired(why)
 
 
 def _service_ports() -> set[int]:

@@ -22,6 +22,7 @@ from snapstore.launch import Kill, launch
 pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 
 STEPS = 7
+LONG = 24  # the reference runs this far, for the jobs that go on without a host
 HOSTS = 4
 PARITY = ["--hosts-per-domain", "1", "--redundancy", "parity", "--parity-k", "3"]
 
@@ -38,16 +39,16 @@ class Job:
     self.store = Path("/dev/shm") / f"snapstore-mh-{uuid.uuid4().hex[:8]}"
     self.cache_dir = cache_dir
 
-  def run(self, kills=(), *, args=(), **kw):
+  def run(self, kills=(), *, args=(), steps=STEPS, **kw):
     env = {"JAX_COMPILATION_CACHE_DIR": str(self.cache_dir),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    try:
+    try:  # (a batch of 24: every data-parallel degree of 1-4 hosts x 2 devices divides it)
       self.incs = launch("snapstore.demo.worker",
-                         ["--steps", str(STEPS), "--out", str(self.out), "--store",
-                          str(self.store), *args],
+                         ["--steps", str(steps), "--out", str(self.out), "--store",
+                          str(self.store), "--batch", "24", *args],
                          num_hosts=HOSTS, devices_per_host=2, store_dir=self.store,
-                         run_id="job", kills=kills, timeout_s=240, log_dir=self.out,
-                         env=env, **kw)
+                         run_id="job", kills=kills, log_dir=self.out, env=env,
+                         **{"timeout_s": 240, **kw})
     finally:
       shutil.rmtree(self.store, ignore_errors=True)
     last = self.incs[-1].number
@@ -58,7 +59,7 @@ class Job:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache_dir):
   job = Job(tmp_path_factory.mktemp("ref"), cache_dir, "ref").run(
-      args=["--hosts-per-domain", "2", "--digest-every-step"])
+      args=["--hosts-per-domain", "2", "--digest-every-step"], steps=LONG)
   assert len(job.incs) == 1 and job.incs[0].ok
   return job.report
 
@@ -454,3 +455,98 @@ def test_losing_process_0_that_hosts_the_service_falls_back_to_a_full_restart(
   assert len(job.incs) == 2 and "host 0" in job.incs[0].fallback
   assert job.incs[0].replaced == [] and job.incs[1].ok
   check_resumed(job.report, reference, lo=kill_step - 1, hi=kill_step)
+
+
+# ------------------------------------------------------- in place, resized
+def resized_restores(job, host):
+  """Every restore ``host``'s processes made in incarnation 0, in order."""
+  return [r for rep in in_place_reports(job, host) for r in rep["restores"]]
+
+
+def test_in_place_job_goes_on_without_a_lost_host_and_grows_back(reference, tmp_path,
+                                                                 cache_dir):
+  """``min_hosts=3``, no replacement for 10 s. Host 2 is killed at a seeded
+  step: the survivors restore onto a 3-host (6-device) mesh at once,
+  bitwise the uninterrupted run's state at that step (host 2's shards from
+  their replicas on host 0), and train 3 steps there; the replacement then
+  joins and the job grows back to 4 hosts, restoring the short mesh's own
+  last step (no step lost), bitwise. The short mesh reduces in another
+  order: later losses equal the reference to float tolerance (rtol 1e-5,
+  as for a job restarted on fewer hosts)."""
+  kill_step = random.Random(36).randint(3, 4)
+  job = Job(tmp_path, cache_dir, "resize").run(
+      [Kill(host=2, step=kill_step)], in_place=True, min_hosts=3, replacement_delay_s=10,
+      steps=12, args=["--hosts-per-domain", "2", "--short-steps", "3", "--digest-every-step"])
+  inc = job.incs[0]
+  assert len(job.incs) == 1 and inc.ok and inc.fallback is None, inc
+  assert [r["host"] for r in inc.replaced] == [2] and inc.unreplaced == []
+  assert [(r["kind"], r["after"]) for r in inc.resizes] == [
+      ("shrink", [0, 1, 3]), ("grow", [0, 1, 2, 3])], inc.resizes
+  assert all(r["first_step_at"] > r["formed_at"] >= r["failed_at"] for r in inc.resizes)
+  grows = set()
+  for h in (0, 1, 3):  # the survivors: one process each, two restores
+    (report,) = in_place_reports(job, h)
+    shrink, grow = resized_restores(job, h)
+    assert (shrink["hosts"], shrink["devices"], grow["hosts"], grow["devices"]) == (
+        [0, 1, 3], 6, [0, 1, 2, 3], 8)
+    assert shrink["source"] == grow["source"] == "snapshot"
+    assert kill_step - 1 <= shrink["step"] <= kill_step
+    assert shrink["digest"] == reference["digests"][str(shrink["step"])]
+    assert grow["step"] == shrink["step"] + 3 and grow["rewind_steps"] == 0, grow
+    assert grow["digest"] == report["trained"][str(grow["step"])]  # the short mesh's state
+    later = range(shrink["step"] + 1, 12 + 1)
+    np.testing.assert_allclose([report["losses"][str(s)] for s in later],
+                               [reference["losses"][str(s)] for s in later], rtol=1e-5)
+    grows.add(grow["digest"])
+  (newcomer,) = resized_restores(job, 2)[-1:]
+  assert newcomer["hosts"] == [0, 1, 2, 3] and {newcomer["digest"]} == grows
+  print("resize:", json.dumps([{k: round(r[k] - r["failed_at"], 2)
+                                for k in ("formed_at", "first_step_at")} for r in inc.resizes]))
+
+
+def test_five_losses_in_place_each_shrinks_then_grows_never_a_partial_state(
+    reference, tmp_path, cache_dir):
+  """``min_hosts=2``: five SIGKILLs, the first two with their stores, the
+  second (host 0) while the job already runs without host 2 (another
+  domain): the job goes on from what is left in RAM. Every loss shrinks the job and every
+  replacement grows it back. On CPU a membership needs a device order whose
+  every group is new (gloo), and 8 devices hold about four: past that the
+  job restarts in full from RAM, and the report says so. Every restore is
+  from a snapshot, bitwise a state some process trained (or the
+  reference's); the final losses equal the reference to float tolerance."""
+  kills = [Kill(host=2, step=3, incarnation=None, phase="capture", lose_store=True),
+           Kill(host=0, step=4, incarnation=None, phase="capture", lose_store=True),
+           *(Kill(host=h, step=s, incarnation=None) for h, s in ((1, 10), (3, 14), (2, 18)))]
+  job = Job(tmp_path, cache_dir, "cycles").run(
+      kills, in_place=True, min_hosts=2, replacement_delay_s=12, steps=LONG,
+      max_incarnations=4, timeout_s=420,
+      args=["--hosts-per-domain", "2", "--short-steps", "2", "--digest-every-step"])
+  assert job.incs[-1].ok
+  assert sum(len(i.killed) for i in job.incs) == 5
+  for inc in job.incs[:-1]:  # (the last: every loss it took healed in place)
+    assert inc.fallback and "no device order is left" in inc.fallback, inc.fallback
+  resizes = [r for inc in job.incs for r in inc.resizes]
+  assert resizes[0]["after"] == [0, 1, 3], resizes  # host 2 lost in step 3: restores 2
+  shrinks = sum(r["kind"] == "shrink" for r in resizes)
+  assert shrinks + len(job.incs) - 1 >= 5, resizes  # each loss: a shrink, or a restart
+  # Host 0 dies with its store in step 4's snapshot on the short mesh: step 3
+  # or 4, trained there, comes back from what hosts 1 and 3 hold (in place on
+  # 2 hosts, or after a full restart where no device order was left), bitwise.
+  short = json.loads((job.out / "inc0-host1.json").read_text())["trained"]
+  restores = [r for path in job.out.glob("inc*-host*.json")
+              for r in json.loads(path.read_text())["restores"]]
+  assert any(r["step"] in (3, 4) and r["digest"] == short[str(r["step"])]
+             for r in restores), restores
+  trained: dict[str, set[str]] = {}
+  for path in job.out.glob("inc*-host*.json"):
+    for step, digest in json.loads(path.read_text())["trained"].items():
+      trained.setdefault(step, set()).add(digest)
+  for path in job.out.glob("inc*-host*.json"):
+    for r in json.loads(path.read_text())["restores"]:
+      assert r["source"] == "snapshot", r
+      assert r["digest"] in trained.get(str(r["step"]), set()) | {
+          reference["digests"][str(r["step"])]}, r
+  final = json.loads((job.out / f"inc{job.incs[-1].number}-host0.json").read_text())
+  later = [s for s in range(1, LONG + 1) if str(s) in final["losses"]]
+  np.testing.assert_allclose([final["losses"][str(s)] for s in later],
+                             [reference["losses"][str(s)] for s in later], rtol=1e-5)

@@ -49,16 +49,23 @@ def main() -> int:
   p.add_argument("--live-every", type=int, default=1, choices=range(1, 1001),
                  metavar="K", help="in place: steps per live() block (one membership "
                                    "barrier each), 1 to 1000")
+  p.add_argument("--short-steps", type=int, default=None, metavar="K",
+                 help="in place, with launch --min-hosts: while the job runs on fewer "
+                      "hosts, train K steps, then hold until it grows back (a grow at a "
+                      "known step, for tests)")
+  p.add_argument("--batch", type=int, default=None,
+                 help="global batch (default the model's 8; a job that may go on with "
+                      "fewer hosts needs one every data-parallel degree divides, e.g. 24)")
   a = p.parse_args()
   from snapstore.launch import global_digest, in_place_from_env, init_from_env, report_digest
-  host, _, inc = init_from_env()
+  host, host_count, inc = init_from_env()
   import os
 
   import snapstore
   from snapstore._manifest import write_atomic
   from snapstore.demo.example import ModelConfig, Trainer, make_mesh
 
-  cfg = ModelConfig()
+  cfg = ModelConfig() if a.batch is None else ModelConfig(batch=a.batch)
   in_place = in_place_from_env()
 
   def digest(trainer: Trainer, state, step: int) -> str:
@@ -78,7 +85,7 @@ def main() -> int:
   attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))
   report: dict[str, Any] = {
       "host": host, "incarnation": inc, "attempt": attempt, "pid": os.getpid(),
-      "in_place": in_place, "losses": {}, "digests": {}, "times": {}, "save_s": {},
+      "in_place": in_place, "losses": {}, "digests": {}, "trained": {}, "times": {}, "save_s": {},
       "started": started, "restores": [], "recoveries": [], "phases": []}
 
   def mark(name: str) -> None:  # a timeline of this process, for the demo's report
@@ -89,17 +96,19 @@ def main() -> int:
     write_atomic(out, json.dumps(report).encode())
   out = Path(a.out) / (f"inc{inc}-host{host}" + (f"-r{attempt}" if attempt else "") + ".json")
 
-  def restore_or_init(trainer: Trainer):
+  def restore_or_init(trainer: Trainer, hosts: list[int] | None = None):
     t0 = time.time()
     try:
       r = mgr.restore(trainer.abstract_state())
     except snapstore.NothingToRestoreError:
       return trainer.init_state(), 1
-    report["restores"].append(dict(r.summary(), started=t0, ended=time.time()))
+    report["restores"].append(dict(r.summary(), started=t0, ended=time.time(),
+                                   devices=trainer.mesh.size, hosts=hosts))
     report.setdefault("restore", report["restores"][-1])
     report["restore_start"], report["restore_end"] = t0, time.time()
     if a.digest_restore:
-      report["digests"][r.step] = digest(trainer, r.state, r.step)
+      report["digests"][r.step] = report["restores"][-1]["digest"] = digest(
+          trainer, r.state, r.step)
     return r.state, r.step + 1
 
   def train(trainer: Trainer, state, s: int):
@@ -118,7 +127,7 @@ def main() -> int:
     report["losses"][s] = loss
     report["times"][s] = time.time()
     if a.digest_every_step or s == a.steps:
-      report["digests"][s] = digest(trainer, state, s)
+      report["digests"][s] = report["trained"][s] = digest(trainer, state, s)
     write()
 
   with snapstore.SnapshotManager(opts, persistent=a.persistent) as mgr:
@@ -147,7 +156,8 @@ def main() -> int:
               mark("membership")
               trainer = Trainer(cfg, make_mesh(devices))
               mark("trainer")
-              state, s = restore_or_init(trainer)
+              state, s = restore_or_init(trainer, hosts=list(job.hosts))
+              report["resizes"] = [r.as_dict() for r in job.resizes]
               start_of_pass[0] = s
               mark("restored")
               trainer.compile(state)
@@ -158,11 +168,16 @@ def main() -> int:
             # (a failure inside discards the block; the snapshots of its
             # finished steps stay, so the rewind is still one step).
             assert trainer is not None  # built on the first pass
+            if (a.short_steps is not None and len(job.hosts) < host_count
+                and s - start_of_pass[0] >= a.short_steps):
+              time.sleep(0.05)  # hold: the next block may take the replacement in
+              continue
             while done < a.live_every and s + done <= a.steps:
               state, loss = train(trainer, state, s + done)
               record(trainer, state, s + done, loss)
               done += 1
           s += done
+          report["resizes"] = [r.as_dict() for r in job.resizes]
         except failures as e:
           mark(f"failed: {type(e).__name__}")
           try:
@@ -176,6 +191,7 @@ def main() -> int:
             os._exit(recovery.RESTART_EXIT_CODE)
           finally:
             report["recoveries"] = [r.as_dict() for r in job.recoveries]
+            report["resizes"] = [r.as_dict() for r in job.resizes]
             report["aborts"] = job.watchdog.aborts if job.watchdog else []
     mgr.wait_until_finished()
   write()
