@@ -27,8 +27,9 @@ store. When a host dies, ``live()`` raises on every survivor (the step is
 discarded) and then waits for the replacement that ``snapstore launch`` starts
 with the same process id. Once it is in, ``changed`` is set: everyone
 restores the freshest complete snapshot onto the full mesh, the survivors
-from their own RAM, the replacement from its peers' (``heal``). Continuing
-on fewer devices (``shrink``) is not built.
+from their own RAM, the replacement from its peers' (``heal``). With
+``min_hosts`` (:class:`ResizePolicy`) they go on without it instead, on the
+live devices, and grow back when the replacement joins.
 
 ``devices`` comes in one order all processes agree on, new after each failed
 step (:mod:`._group` says why); build every mesh from it.
@@ -358,7 +359,10 @@ class InPlace:
       process died and was replaced) starts the count again: deaths are
       bounded by the supervisor's ``max_replacements``.
     wait_timeout_s: how long to wait for a replacement before giving up the
-      same way.
+      same way (while fewer than ``min_hosts`` are live).
+    min_hosts, replacement_wait_s: when the job goes on with fewer
+      processes (:class:`ResizePolicy`); default from the environment,
+      else never.
     abort_after_s (CPU): when this process has been inside one ``live()``
       block this long and a peer has been silent this long, a watchdog shuts
       down this process's gloo connections, so that a collective waiting on
