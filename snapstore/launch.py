@@ -153,11 +153,20 @@ def report_missing(processes: Sequence[int], since: float) -> None:
   """Under :func:`launch`: this process has seen ``processes`` missing from
   the job's live members (the coordination service's heartbeats) since
   ``since``; the supervisor fences those that are still running (hung)."""
+  path = _child_report("missing", per_host=True)
+  if path is not None:
+    write_atomic(path, json.dumps({"missing": sorted(processes), "since": since}).encode())
+
+
+def _child_report(kind: str, *, per_host: bool = False) -> Path | None:
+  """Where a worker under :func:`launch` writes its ``kind`` report for the
+  supervisor (``<kind>-inc<incarnation>[-host<host>].json``), or None when
+  it does not run under ``launch``."""
   where, job, me = (os.environ.get(REPORT_DIR_ENV), incarnation_from_env(),
                     os.environ.get("SNAPSTORE_HOST", ""))
-  if where and job is not None and me.isdigit():
-    write_atomic(Path(where) / f"missing-inc{job}-host{me}.json",
-                 json.dumps({"missing": sorted(processes), "since": since}).encode())
+  if not where or job is None or (per_host and not me.isdigit()):
+    return None
+  return Path(where) / (f"{kind}-inc{job}" + (f"-host{me}" if per_host else "") + ".json")
 
 
 def _fence(inc: Incarnation, procs: dict[int, subprocess.Popen[bytes]],
@@ -191,10 +200,9 @@ def report_restart(why: str) -> None:
   """Under :func:`launch`: why this worker asks for a full restart (it
   exits with ``recovery.RESTART_EXIT_CODE`` next); ``Incarnation.fallback``
   carries it."""
-  where, job, me = (os.environ.get(REPORT_DIR_ENV), incarnation_from_env(),
-                    os.environ.get("SNAPSTORE_HOST", ""))
-  if where and job is not None and me.isdigit():
-    write_atomic(Path(where) / f"restart-inc{job}-host{me}.json", json.dumps(why).encode())
+  path = _child_report("restart", per_host=True)
+  if path is not None:
+    write_atomic(path, json.dumps(why).encode())
 
 
 def _restart_reason(report_dir: Path, number: int, host: int) -> str:
@@ -209,9 +217,8 @@ def report_resize(change: dict[str, Any], *, replace_last: bool = False) -> None
   before (``recovery.Resize.as_dict()``); the incarnation report lists
   every such change (``Incarnation.resizes``). ``replace_last``: the same
   change, now with its first step's time."""
-  where, job = os.environ.get(REPORT_DIR_ENV), incarnation_from_env()
-  if where and job is not None:
-    path = Path(where) / f"resize-inc{job}.json"
+  path = _child_report("resize")
+  if path is not None:
     doc = json.loads(path.read_text()) if path.exists() else []
     if replace_last and doc and doc[-1]["formed_at"] == change["formed_at"]:
       doc.pop()

@@ -18,6 +18,7 @@ import pytest
 from snapstore._backends.hostfiles.store import host_dir
 from snapstore._manifest import decode
 from snapstore.launch import Kill, launch
+from snapstore.recovery import REPLACEMENT_WAIT_ENV
 
 pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 
@@ -39,9 +40,9 @@ class Job:
     self.store = Path("/dev/shm") / f"snapstore-mh-{uuid.uuid4().hex[:8]}"
     self.cache_dir = cache_dir
 
-  def run(self, kills=(), *, args=(), steps=STEPS, **kw):
+  def run(self, kills=(), *, args=(), steps=STEPS, worker_env=(), **kw):
     env = {"JAX_COMPILATION_CACHE_DIR": str(self.cache_dir),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **dict(worker_env)}
     try:  # (a batch of 24: every data-parallel degree of 1-4 hosts x 2 devices divides it)
       self.incs = launch("snapstore.demo.worker",
                          ["--steps", str(steps), "--out", str(self.out), "--store",
@@ -466,7 +467,9 @@ def resized_restores(job, host):
 def test_in_place_job_goes_on_without_a_lost_host_and_grows_back(reference, tmp_path,
                                                                  cache_dir):
   """``min_hosts=3``, no replacement for 10 s. Host 2 is killed at a seeded
-  step: the survivors restore onto a 3-host (6-device) mesh at once,
+  step: the survivors wait 2 s for a replacement (``replacement_wait_s``,
+  decided in the service: all of them run short from the same block), then
+  restore onto a 3-host (6-device) mesh,
   bitwise the uninterrupted run's state at that step (host 2's shards from
   their replicas on host 0), and train 3 steps there; the replacement then
   joins and the job grows back to 4 hosts, restoring the short mesh's own
@@ -476,13 +479,15 @@ def test_in_place_job_goes_on_without_a_lost_host_and_grows_back(reference, tmp_
   kill_step = random.Random(36).randint(3, 4)
   job = Job(tmp_path, cache_dir, "resize").run(
       [Kill(host=2, step=kill_step)], in_place=True, min_hosts=3, replacement_delay_s=10,
-      steps=12, args=["--hosts-per-domain", "2", "--short-steps", "3", "--digest-every-step"])
+      steps=12, worker_env={REPLACEMENT_WAIT_ENV: "2"},
+      args=["--hosts-per-domain", "2", "--short-steps", "3", "--digest-every-step"])
   inc = job.incs[0]
   assert len(job.incs) == 1 and inc.ok and inc.fallback is None, inc
   assert [r["host"] for r in inc.replaced] == [2] and inc.unreplaced == []
   assert [(r["kind"], r["after"]) for r in inc.resizes] == [
       ("shrink", [0, 1, 3]), ("grow", [0, 1, 2, 3])], inc.resizes
   assert all(r["first_step_at"] > r["formed_at"] >= r["failed_at"] for r in inc.resizes)
+  assert inc.resizes[0]["formed_at"] - inc.resizes[0]["failed_at"] >= 2  # it waited
   grows = set()
   for h in (0, 1, 3):  # the survivors: one process each, two restores
     (report,) = in_place_reports(job, h)
