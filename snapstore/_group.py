@@ -48,6 +48,7 @@ def set_devices(order: Sequence[jax.Device] | None) -> None:
 
 
 _membership: str | None = None
+_processes: tuple[int, ...] | None = None
 
 
 def membership() -> str | None:
@@ -56,9 +57,17 @@ def membership() -> str | None:
   return _membership
 
 
-def set_membership(name: str | None) -> None:
-  global _membership
-  _membership = name
+def processes() -> tuple[int, ...] | None:
+  """The current members' process indices, ascending, while the job runs
+  without some of its processes (``InPlace`` with ``min_hosts``); None
+  while every process is a member."""
+  return _processes
+
+
+def set_membership(name: str | None, members: tuple[int, ...] | None = None) -> None:
+  """Sets the name and, when not every process is one, the members."""
+  global _membership, _processes
+  _membership, _processes = name, members
 
 
 def rekey_needed(platform: str) -> bool:

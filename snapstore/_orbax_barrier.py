@@ -86,6 +86,9 @@ class Barrier:
 
   def __init__(self, scope: str = "") -> None:
     self.members = _group.membership()
+    # who meets here: the current members (all processes but while the job
+    # runs short); the lowest of them leads, as process 0 does in full
+    self.processes = _group.processes() or tuple(range(jax.process_count()))
     self._scope = f"{scope}/" if scope else ""
     self._lock = threading.Lock()
     self._uses: dict[str, int] = {}
@@ -108,7 +111,7 @@ class Barrier:
     with self._lock:
       n = self._uses[key] = self._uses.get(key, 0) + 1
     where = f"{NAMESPACE}/{self.members or 'first'}/{self._scope}{key}/{n}"
-    me, count = jax.process_index(), jax.process_count()
+    me, lead = jax.process_index(), self.processes[0]
     client.key_value_set(f"{where}/in/{me}", "1")
     began = time.monotonic()
     deadline = began + timeout_ms / 1000
@@ -119,10 +122,10 @@ class Barrier:
     checked, poll = began, 0.002
     while True:
       arrived: set[int] = set()
-      if me == 0:
+      if me == lead:
         arrived = {int(k.rsplit("/", 1)[-1])
                    for k, _ in client.key_value_dir_get(f"{where}/in/")}
-        if len(arrived) >= count:
+        if arrived >= set(self.processes):
           client.key_value_set(f"{where}/done", "1")
           now = time.monotonic()
           with self._lock:  # a waiter of one completed KEEP_S ago has long seen it
@@ -139,7 +142,7 @@ class Barrier:
         except jax.errors.JaxRuntimeError:
           pass  # (DEADLINE_EXCEEDED: not yet; anything else ends at the deadline)
       if self.stale():
-        if me == 0:
+        if me == lead:
           client.key_value_delete(where)
         raise Abandoned(f"Orbax barrier {key!r}: a process was replaced while this save "
                         "waited; the save is not committed")
@@ -147,26 +150,26 @@ class Barrier:
       if (silence is not None and now - began >= silence.after_s / 2
           and now - checked >= BEAT_CHECK_S):
         checked = now
-        self._give_up_if_gone(client, where, key, me, count, arrived, silence)
+        self._give_up_if_gone(client, where, key, me, lead, arrived, silence)
       if time.monotonic() > deadline:
-        late = sorted(set(range(count)) - arrived) if me == 0 else "(process 0 knows which)"
+        late = (sorted(set(self.processes) - arrived) if me == lead
+                else f"(process {lead} knows which)")
         raise TimeoutError(f"Orbax barrier {key!r}: process(es) {late} did not arrive in "
                            f"{timeout_ms / 1000:.0f} s")
 
-  @staticmethod
-  def _give_up_if_gone(client: Any, where: str, key: str, me: int, count: int, arrived: set[int],
-              silence: _abort.Silence) -> None:
+  def _give_up_if_gone(self, client: Any, where: str, key: str, me: int, lead: int,
+                       arrived: set[int], silence: _abort.Silence) -> None:
     """Raises ``MembersMissing`` if a process this barrier waits for is gone
-    (process 0 judges those that did not arrive, and tells the rest under
-    ``{where}/failed``; the others judge process 0), ``PeerFailed`` if a
+    (the lead judges those that did not arrive, and tells the rest under
+    ``{where}/failed``; the others judge the lead), ``PeerFailed`` if a
     process's step failed in this ``live()`` block (it will not come)."""
     from .recovery import MembersMissing, PeerFailed, failed_in_block  # (it imports this)
     who = failed_in_block(client)
     if who is not None:
       raise PeerFailed(f"process {who} failed this step while the others waited at Orbax "
                        f"barrier {key!r}")
-    if me == 0:
-      gone = silence.of(set(range(count)) - arrived)
+    if me == lead:
+      gone = silence.of(set(self.processes) - arrived)
       if gone:
         client.key_value_set(f"{where}/failed", json.dumps(sorted(gone.items())),
                              allow_overwrite=True)
@@ -174,7 +177,7 @@ class Barrier:
       try:
         gone = dict(json.loads(client.key_value_try_get(f"{where}/failed")))
       except Exception:  # noqa: BLE001  (NOT_FOUND: none yet)
-        gone = silence.of({0}, one=True)
+        gone = silence.of({lead}, one=True)
     if gone:
       raise MembersMissing(f"Orbax barrier {key!r}: process(es) {sorted(gone)} are gone "
                            "(hung, or replaced) and did not arrive",
@@ -185,29 +188,33 @@ _sync: dict[str | None, Barrier] = {}  # the current membership -> its barrier o
 _sync_lock = threading.Lock()
 
 
-def _sync_barrier(original: Any, *, key: str, timeout_ms: int) -> None:
-  """Orbax's ``sync_global_processes`` over every process: on the main
-  thread while a watchdog beats (CPU), in the current membership's
+def _sync_barrier(original: Any, processes: Any, *, key: str, timeout_ms: int) -> None:
+  """Orbax's ``sync_global_processes`` over the current members (every
+  process, or those the job runs on while short): on the main thread
+  while a watchdog beats (CPU), in the current membership's
   :class:`Barrier` (a new one per membership, its counts fresh on every
-  process alike); elsewhere Orbax's own (``original``): a background
-  thread may outlive its membership, and its late call would miscount the
-  next one's, and without beats a gone process cannot be told."""
+  process alike); elsewhere Orbax's own (``original``), over the members:
+  a background thread may outlive its membership, and its late call would
+  miscount the next one's, and without beats a gone process cannot be told."""
   if _abort.running() is None or threading.current_thread() is not threading.main_thread():
-    original(processes=None)(key=key, timeout_ms=timeout_ms)
+    if processes is None and _group.processes() is not None:
+      processes = set(_group.processes() or ())
+    original(processes=processes)(key=key, timeout_ms=timeout_ms)
     return
-  members = _group.membership()
+  name = _group.membership()
   with _sync_lock:
-    barrier = _sync.get(members)
+    barrier = _sync.get(name)
     if barrier is None:
       _sync.clear()
-      barrier = _sync[members] = Barrier("sync")
+      barrier = _sync[name] = Barrier("sync")
   barrier(key=key, timeout_ms=timeout_ms)
 
 
 def install() -> None:
-  """Routes Orbax's process syncs over all processes in this process
-  through :func:`_sync_barrier` (a subset of processes keeps Orbax's own).
-  For recoverable jobs (``snapstore.recovery.initialize``); idempotent."""
+  """Routes Orbax's process syncs over all processes, or over the current
+  members, in this process through :func:`_sync_barrier` (another subset
+  keeps Orbax's own). For recoverable jobs
+  (``snapstore.recovery.initialize``); idempotent."""
   try:
     from orbax.checkpoint._src.multihost import multihost
   except ImportError:  # (no Orbax: nothing to route)
@@ -217,8 +224,10 @@ def install() -> None:
     return
 
   def get_barrier_sync_fn(*, processes: Any = None) -> Any:
-    if processes is None and jax.process_count() > 1:
-      return functools.partial(_sync_barrier, original)
+    members = _group.processes()
+    if jax.process_count() > 1 and (
+        processes is None or (members is not None and set(processes) == set(members))):
+      return functools.partial(_sync_barrier, original, processes)
     return original(processes=processes)
 
   get_barrier_sync_fn.snapstore = True  # type: ignore[attr-defined]

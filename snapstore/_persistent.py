@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from . import _orbax_barrier, errors
+from . import _group, _orbax_barrier, errors
 from ._layout import LeafKind, LeafSpec, spec_from_row, spec_row, target_sharding
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,11 @@ class OrbaxTier:
   process calls them with the same step. In a recoverable job
   (:mod:`snapstore.recovery`) the manager made from a path commits through
   :mod:`._orbax_barrier`: a save that a replaced process took part in is
-  abandoned, never committed, and the job goes on (a manager passed in
-  keeps its own barrier: see ``docs/in-place.md``).
+  abandoned, never committed, and the job goes on; while the job runs
+  without some processes (``InPlace`` with ``min_hosts``) the manager's
+  active processes are the members, and it saves and restores without the
+  others (a manager passed in keeps its own barrier and processes: see
+  ``docs/in-place.md``).
   """
 
   def __init__(self, manager: ocp.CheckpointManager | str | os.PathLike[str], *,
@@ -74,6 +77,11 @@ class OrbaxTier:
     if jax.process_count() > 1 and getattr(jax.config, "jax_enable_recoverability", False):
       self._barrier = _orbax_barrier.Barrier()
       options["async_options"] = ocp.AsyncOptions(barrier_sync_fn=self._barrier)
+      members = _group.processes()
+      if members is not None:  # the job runs without some processes: they sit out
+        options["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+            primary_host=members[0], active_processes=set(members),
+            barrier_sync_key_prefix=f"members-{_group.membership()}")
     return ocp.CheckpointManager(self._path, options=ocp.CheckpointManagerOptions(**options))
 
   @property

@@ -188,8 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   help="with --in-place: go on while at least N hosts are live, without "
                   "waiting for a replacement, and grow back when it joins")
   la.add_argument("--replacement-delay", type=float, default=0.0, metavar="S",
-                  help="with --in-place: start a dead host's replacement S seconds later "
-                  "(no spare host at once)")
+                  help="start a dead host's replacement S seconds later (no spare host at "
+                  "once); without --in-place, the restarted job waits that long")
   la.add_argument("--json", default=None, help="write the incarnation report here")
   la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
   la.set_defaults(fn=_launch)

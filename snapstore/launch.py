@@ -332,17 +332,19 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   hosts are live, without waiting for a replacement
   (:class:`snapstore.recovery.ResizePolicy`), and grow back when it joins;
   ``replacement_delay_s`` starts each replacement that much later (no spare
-  host at once). Replacements not yet started when a worker finishes are
-  not started (``Incarnation.unreplaced``); each change of the job's hosts
-  is in ``Incarnation.resizes``.
+  host at once); without ``in_place``, the incarnation after a failure
+  starts that long after it (the whole job waits for the capacity).
+  Replacements not yet started when a worker finishes are not started
+  (``Incarnation.unreplaced``); each change of the job's hosts is in
+  ``Incarnation.resizes``.
 
   ``shrink_to`` restarts with fewer hosts (the first ``shrink_to`` stores are
   kept). ``between(inc)`` runs after a failed incarnation, before the next
   (tests use it to damage stores). Raises ``RuntimeError`` if the job still
   fails after ``max_incarnations``, ``TimeoutError`` past ``timeout_s``.
   """
-  if (min_hosts is not None or replacement_delay_s) and not in_place:
-    raise ValueError("min_hosts and replacement_delay_s are for in-place jobs (in_place=True)")
+  if min_hosts is not None and not in_place:
+    raise ValueError("min_hosts is for in-place jobs (in_place=True)")
   if min_hosts is not None and not 1 <= min_hosts <= num_hosts:
     raise ValueError(f"min_hosts must be between 1 and num_hosts ({num_hosts}), "
                      f"got {min_hosts}")
@@ -527,6 +529,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       return out
     if between is not None:
       between(inc)
+    if replacement_delay_s and not in_place:  # no spare host until then
+      time.sleep(max(0.0, (inc.kill_time or inc.ended) + replacement_delay_s - time.time()))
     if shrink_to:
       hosts = shrink_to
   raise RuntimeError(f"job still failing after {max_incarnations} incarnations; "

@@ -449,8 +449,9 @@ class InPlace:
         if key != self._key or self._order_name in self._spent:
           self.devices = self._order_for(key, incarnations)
           _group.set_devices(self.devices)
-          _group.set_membership(hashlib.sha256(repr(key).encode()).hexdigest()[:16])
           hosts = tuple(sorted({d.process_index for d in devices}))
+          _group.set_membership(hashlib.sha256(repr(key).encode()).hexdigest()[:16],
+                                hosts if len(hosts) < jax.process_count() else None)
           if self.watchdog is not None:
             self.watchdog.watched = set(hosts)
             try:

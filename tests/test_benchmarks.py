@@ -15,6 +15,7 @@ from benchmarks import (
   multihost,
   overhead,
   parity,
+  resize,
   restore,
   rewind,
   soak,
@@ -117,6 +118,26 @@ def test_multihost_benchmark_smoke(tmp_path):
   _positive(result["step_ratio"], result["orbax_local_vs_ram"], result["orbax_gcs_vs_ram"],
             result["orbax_local_vs_ram_first"], result["orbax_gcs_vs_ram_first"],
             result["restore_ram_first_s"], result["replica_bytes_per_step"])
+
+
+def test_resize_benchmark_goes_on_short_and_grows_back_without_a_lost_step(tmp_path):
+  """No spare host for 15 s: GCS-only restarts from its checkpoint after
+  the wait; the resize run restores the lost host's pieces onto 6 devices,
+  trains there, and grows back to 8 restoring its own last step."""
+  result = _run(resize, ["--runs", "gcs-only", "snapstore-resize", "--kill-step", "7",
+                         "--checkpoint-every", "3", "--step-s", "0.2", "--delay", "15",
+                         "--steps", "45"],
+                tmp_path / "r.json")
+  gcs, short = result["runs"]["gcs-only"], result["runs"]["snapstore-resize"]
+  assert gcs["source"] == "persistent" and gcs["restored_step"] in (3, 6)  # (6: committed)
+  assert gcs["steps_lost"] == 7 - gcs["restored_step"]
+  assert gcs["first_step_after_kill_s"] >= 15  # it waited for the capacity
+  assert [(r["devices"], r["source"]) for r in short["restores"]] == [
+      (6, "snapshot"), (8, "snapshot")], short["restores"]
+  assert short["restores"][1]["rewind_steps"] == 0 and short["steps_while_short"] >= 1
+  assert result["final_loss_rel_diff"] < 1e-5
+  _positive(*(r[k] for r in (gcs, short) for k in ("time_lost_s", "full_size_after_kill_s")),
+            short["throughput_while_short"], result["time_lost_vs_gcs_only"]["snapstore-resize"])
 
 
 def test_parity_benchmark_keeps_a_third_of_the_replica_bytes_and_restores_bitwise(tmp_path):

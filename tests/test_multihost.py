@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from snapstore import OrbaxTier
 from snapstore._backends.hostfiles.store import host_dir
 from snapstore._manifest import decode
 from snapstore.launch import Kill, launch
@@ -475,12 +476,14 @@ def test_in_place_job_goes_on_without_a_lost_host_and_grows_back(reference, tmp_
   joins and the job grows back to 4 hosts, restoring the short mesh's own
   last step (no step lost), bitwise. The short mesh reduces in another
   order: later losses equal the reference to float tolerance (rtol 1e-5,
-  as for a job restarted on fewer hosts)."""
+  as for a job restarted on fewer hosts). Orbax checkpoints every 5 steps:
+  step 5, trained short, is committed by the 3 hosts alone."""
   kill_step = random.Random(36).randint(3, 4)
   job = Job(tmp_path, cache_dir, "resize").run(
       [Kill(host=2, step=kill_step)], in_place=True, min_hosts=3, replacement_delay_s=10,
       steps=12, worker_env={REPLACEMENT_WAIT_ENV: "2"},
-      args=["--hosts-per-domain", "2", "--short-steps", "3", "--digest-every-step"])
+      args=["--hosts-per-domain", "2", "--short-steps", "3", "--digest-every-step",
+            "--persistent", str(tmp_path / "orbax"), "--checkpoint-every", "5"])
   inc = job.incs[0]
   assert len(job.incs) == 1 and inc.ok and inc.fallback is None, inc
   assert [r["host"] for r in inc.replaced] == [2] and inc.unreplaced == []
@@ -505,6 +508,8 @@ def test_in_place_job_goes_on_without_a_lost_host_and_grows_back(reference, tmp_
     grows.add(grow["digest"])
   (newcomer,) = resized_restores(job, 2)[-1:]
   assert newcomer["hosts"] == [0, 1, 2, 3] and {newcomer["digest"]} == grows
+  assert shrink["step"] < 5 <= grow["step"]  # step 5's checkpoint was saved short
+  assert OrbaxTier(str(tmp_path / "orbax")).committed_steps() == [5, 10]
   print("resize:", json.dumps([{k: round(r[k] - r["failed_at"], 2)
                                 for k in ("formed_at", "first_step_at")} for r in inc.resizes]))
 

@@ -49,7 +49,6 @@ def test_a_bad_policy_is_refused(kw):
 
 @pytest.mark.parametrize("kw, match", [
     ({"min_hosts": 3}, "in-place"),
-    ({"replacement_delay_s": 5.0}, "in-place"),
     ({"min_hosts": 5, "in_place": True}, "between 1 and"),
     ({"replacement_delay_s": float("nan"), "in_place": True}, "finite"),
 ])

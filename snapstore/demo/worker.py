@@ -43,7 +43,9 @@ def main() -> int:
   p.add_argument("--digest-restore", action=argparse.BooleanOptionalAction, default=True,
                  help="global state digest of the restored step")
   p.add_argument("--min-step-s", type=float, default=0.0,
-                 help="pad each train step to this many seconds (a slower model)")
+                 help="pad each train step to this many seconds on all the job's devices "
+                      "(a slower model); on fewer, the same global batch takes "
+                      "proportionally longer")
   p.add_argument("--digest-every-step", action="store_true",
                  help="global state digest after every step (else at restore and end)")
   p.add_argument("--live-every", type=int, default=1, choices=range(1, 1001),
@@ -61,12 +63,15 @@ def main() -> int:
   host, host_count, inc = init_from_env()
   import os
 
+  import jax
+
   import snapstore
   from snapstore._manifest import write_atomic
   from snapstore.demo.example import ModelConfig, Trainer, make_mesh
 
   cfg = ModelConfig() if a.batch is None else ModelConfig(batch=a.batch)
   in_place = in_place_from_env()
+  full_devices = host_count * jax.local_device_count()
 
   def digest(trainer: Trainer, state, step: int) -> str:
     """The global state's sha256 (every host gets every byte: one jitted
@@ -117,7 +122,8 @@ def main() -> int:
     loss = float(out)  # blocks until the step is done everywhere
     if s == start_of_pass[0]:
       mark("first step")
-    time.sleep(max(0.0, a.min_step_s - (time.perf_counter() - t_step)))
+    pad = a.min_step_s * full_devices / trainer.mesh.size  # the devices share one batch
+    time.sleep(max(0.0, pad - (time.perf_counter() - t_step)))
     t_save = time.perf_counter()
     mgr.save(s, state)
     report["save_s"][s] = time.perf_counter() - t_save  # what the loop waits for
