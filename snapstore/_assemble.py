@@ -21,7 +21,7 @@ import numpy as np
 
 from ._arena import ArenaCache, host_arena
 from ._checksum import SMALL_BYTES, aligned_empty
-from ._index import Index, align, full, normalize, overlaps, shape_of, to_slices, volume
+from ._index import Index, align, full, normalize, overlaps, shape_of, volume
 from ._layout import LeafKind, LeafSpec, filled, target_sharding, wants_numpy
 from ._planner import Copy, CopyKey, StepPlan
 
@@ -464,8 +464,3 @@ def _place_host(spec: LeafSpec, sharding: jax.sharding.Sharding,
   if with_sharding is not None:
     aval = with_sharding(aval, sharding)
   return batched_device_put(aval, sharding, list(bufs), [d for d, _ in wanted])
-
-
-def full_region(whole: np.ndarray) -> Region:
-  """A Region over one complete host array."""
-  return lambda idx, device: (np.asarray(whole[to_slices(idx)]), False)

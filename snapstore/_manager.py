@@ -20,7 +20,17 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from . import _arena, _backends, _faults, _interval, _peers, _planner, _switch, errors, launch
+from . import (
+    _arena,
+    _backends,
+    _faults,
+    _interval,
+    _peers,
+    _planner,
+    _reports,
+    _switch,
+    errors,
+)
 from ._arena import ArenaCache
 from ._assemble import Assembler
 from ._layout import LeafSpec, check_compatible, check_targets, flatten, tree_digest
@@ -70,7 +80,7 @@ class SnapshotManager:
     prev_step, prev_inc = self.backend.read_progress()
     incarnation = self.options.incarnation
     if incarnation is None:
-      incarnation = launch.incarnation_from_env()
+      incarnation = _reports.incarnation_from_env()
     if incarnation is None:
       seen = [m.incarnation for m in self.backend.manifests()] + [prev_inc]
       # a replaced host starts empty: agree on the max.
@@ -356,53 +366,66 @@ class SnapshotManager:
     persistent_steps = [s for s in persistent_steps if s <= -neg_latest]
     timings["scan_exchange"] = time.perf_counter() - t
     timings["scan"] = time.perf_counter() - t0
-    bad: set[_planner.CopyKey] = set()
-    reasons: list[str] = []
     # A restore of many leaves makes tens of thousands of objects, and the
     # arrays it returns outlive young collections, so full collections would
     # run during it (``benchmarks.capture`` counts them). Paused as a save
     # is (``pause_gc``).
     with _switch.collections_paused(self.options.pause_gc):
-      while True:
-        t = time.perf_counter()
-        reasons = []
-        plan = _planner.choose(manifests, step=step, bad=bad, prefer_store=self.host,
-                               reasons=reasons)
-        timings["plan"] = timings.get("plan", 0.0) + time.perf_counter() - t
-        if plan is None or (persistent_steps and persistent_steps[-1] > plan.step):
-          break
-        check_compatible(plan.specs, target_specs, step=plan.step)
-        t = time.perf_counter()
-        assembler = Assembler(plan, self.backend, arenas=self._arenas)
-        got = self._peers.assemble(assembler, target_specs, targets)
-        for key, why in got.bad.items():  # one note per bad copy found
-          if key not in assembler.bad or assembler.bad[key].lost_store is None:
-            notes.append(f"step {plan.step}: {why}; using another copy or an older step")
-            logger.warning(notes[-1])
-        bad.update(got.bad)
-        manifests = self._forget_unreadable(assembler, manifests, notes)
-        if got.leaves is None:
-          continue
-        timings["read"] = time.perf_counter() - t
-        timings.update(got.timings)
-        timings["total"] = time.perf_counter() - t0
-        read = {"snapshot": assembler.bytes_read}
-        if self._peers.multi_host:
-          read["exchanged"] = got.bytes_exchanged
-        if assembler.bytes_rebuilt:
-          read["rebuilt"] = assembler.bytes_rebuilt
-        result = self._report(RestoreResult(
-            step=plan.step, state=jax.tree_util.tree_unflatten(treedef, got.leaves),
-            extra=copy_extra(plan.extra), source=Source.SNAPSHOT, rewind_steps=newest - plan.step,
-            newest_step=newest, bytes_read=read, timings=timings, notes=tuple(notes),
-            exchange=exchange))
-        self._branch_from(result.step, manifests)
-        return result
-    notes.extend(reasons[:1])  # why the freshest snapshot step was not usable
+      found, manifests, why = self._restore_snapshot(
+          manifests, step, target_specs, targets, treedef, persistent_steps, newest, notes,
+          timings, t0, exchange)
+    if found is not None:
+      return found
+    notes.extend(why[:1])  # why the freshest snapshot step was not usable
     result = self._restore_persistent(step, persistent_steps, target_specs, targets,
                                       treedef, newest, notes, timings, t0, exchange)
     self._branch_from(result.step, manifests)
     return result
+
+  def _restore_snapshot(self, manifests: Any, step: int | None, target_specs: list[LeafSpec],
+                        targets: list[Any], treedef: Any, persistent_steps: list[int],
+                        newest: int, notes: list[str], timings: dict[str, float], t0: float,
+                        exchange: str) -> tuple[RestoreResult | None, Any, list[str]]:
+    """The freshest snapshot step the stores hold whole, read and placed:
+    each bad copy found is noted and another copy or an older step tried.
+    Returns (the result or None, the manifests left, why the freshest step
+    was not usable); None where none is, or the persistent tier is newer."""
+    bad: set[_planner.CopyKey] = set()
+    while True:
+      t = time.perf_counter()
+      reasons: list[str] = []
+      plan = _planner.choose(manifests, step=step, bad=bad, prefer_store=self.host,
+                             reasons=reasons)
+      timings["plan"] = timings.get("plan", 0.0) + time.perf_counter() - t
+      if plan is None or (persistent_steps and persistent_steps[-1] > plan.step):
+        return None, manifests, reasons
+      check_compatible(plan.specs, target_specs, step=plan.step)
+      t = time.perf_counter()
+      assembler = Assembler(plan, self.backend, arenas=self._arenas)
+      got = self._peers.assemble(assembler, target_specs, targets)
+      for key, why in got.bad.items():  # one note per bad copy found
+        if key not in assembler.bad or assembler.bad[key].lost_store is None:
+          notes.append(f"step {plan.step}: {why}; using another copy or an older step")
+          logger.warning(notes[-1])
+      bad.update(got.bad)
+      manifests = self._forget_unreadable(assembler, manifests, notes)
+      if got.leaves is None:
+        continue
+      timings["read"] = time.perf_counter() - t
+      timings.update(got.timings)
+      timings["total"] = time.perf_counter() - t0
+      read = {"snapshot": assembler.bytes_read}
+      if self._peers.multi_host:
+        read["exchanged"] = got.bytes_exchanged
+      if assembler.bytes_rebuilt:
+        read["rebuilt"] = assembler.bytes_rebuilt
+      result = self._report(RestoreResult(
+          step=plan.step, state=jax.tree_util.tree_unflatten(treedef, got.leaves),
+          extra=copy_extra(plan.extra), source=Source.SNAPSHOT, rewind_steps=newest - plan.step,
+          newest_step=newest, bytes_read=read, timings=timings, notes=tuple(notes),
+          exchange=exchange))
+      self._branch_from(result.step, manifests)
+      return result, manifests, reasons
 
   def _restore_sparse(self, peers: _peers.Distributed, local: Sequence[Any],
                       target_specs: list[LeafSpec],
@@ -518,8 +541,6 @@ class SnapshotManager:
   def _report(self, result: RestoreResult) -> RestoreResult:
     result.timings["first_touch"] = _arena.faulting_seconds() - self._faulting_at_start
     self._lineage_step = result.step
-    if self.host == 0:
-      launch.report_restore(result.summary(), self.incarnation)
     return result
 
   # ------------------------------------------------------------ lifecycle

@@ -2,7 +2,9 @@
 
 Every error derives from :class:`SnapstoreError`; most also derive from the
 builtin a caller would naturally catch (``FileNotFoundError``, ``ValueError``,
-``MemoryError``), so ``except FileNotFoundError`` keeps working.
+``MemoryError``), so ``except FileNotFoundError`` keeps working. The
+in-place recovery's errors (:mod:`snapstore.recovery`: ``RestartRequired``,
+``PeerFailed``, ``MembersMissing``) are of the family too.
 """
 
 from __future__ import annotations

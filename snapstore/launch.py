@@ -13,8 +13,11 @@ store, modelling a replaced machine.
 
 Each process gets its identity from the environment: ``SNAPSTORE_COORDINATOR``,
 ``SNAPSTORE_NUM_HOSTS``, ``SNAPSTORE_HOST``, ``SNAPSTORE_INCARNATION``,
-``SNAPSTORE_DEVICES_PER_HOST``; ``SNAPSTORE_REPORT_DIR`` is where host 0's
-``SnapshotManager.restore`` leaves its summary for the incarnation report.
+``SNAPSTORE_DEVICES_PER_HOST``; ``SNAPSTORE_REPORT_DIR`` is where the workers
+leave what the incarnation report carries (:mod:`snapstore._reports`: host
+0's worker its restores and digests, the engine missing hosts, resizes and
+the reason for a full restart). A worker that wants its restore in the
+report calls :func:`report_restore` (re-exported here with the others).
 """
 
 from __future__ import annotations
@@ -36,7 +39,18 @@ from typing import Any
 
 from . import _faults
 from ._backends.hostfiles.store import host_dir, read_progress
-from ._manifest import write_atomic
+from ._reports import (  # noqa: F401  (the worker's side, re-exported for workers)
+  IN_PLACE_ENV,
+  INCARNATION_ENV,
+  REPORT_DIR_ENV,
+  RESTART_EXIT_CODE,
+  incarnation_from_env,
+  report_digest,
+  report_missing,
+  report_resize,
+  report_restart,
+  report_restore,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,54 +135,6 @@ class Incarnation:
     return dict(dataclasses.asdict(self), ok=self.ok, failure=self.failure)
 
 
-REPORT_DIR_ENV = "SNAPSTORE_REPORT_DIR"
-INCARNATION_ENV = "SNAPSTORE_INCARNATION"
-IN_PLACE_ENV = "SNAPSTORE_IN_PLACE"
-
-
-def incarnation_from_env() -> int | None:
-  """``$SNAPSTORE_INCARNATION`` (set for each worker by :func:`launch`), or None."""
-  value = os.environ.get(INCARNATION_ENV, "")
-  return int(value) if value.isdigit() else None
-
-
-def report_restore(summary: dict[str, Any], incarnation: int, *,
-                   replace_last: bool = False) -> None:
-  """Under :func:`launch` (``SNAPSTORE_REPORT_DIR`` set): records host 0's
-  restore summary where the supervisor reads it for its incarnation report
-  (one job incarnation may restore several times when it recovers in place).
-  ``replace_last``: this restore superseded the last one recorded."""
-  where = os.environ.get(REPORT_DIR_ENV)
-  if where:
-    job = incarnation_from_env()
-    path = Path(where) / f"restore-inc{incarnation if job is None else job}.json"
-    doc = json.loads(path.read_text()) if path.exists() else []
-    if replace_last and doc:
-      doc.pop()
-    doc.append(dict(summary, incarnation=incarnation, time=time.time()))
-    write_atomic(path, json.dumps(doc).encode())
-
-
-def report_missing(processes: Sequence[int], since: float) -> None:
-  """Under :func:`launch`: this process has seen ``processes`` missing from
-  the job's live members (the coordination service's heartbeats) since
-  ``since``; the supervisor fences those that are still running (hung)."""
-  path = _child_report("missing", per_host=True)
-  if path is not None:
-    write_atomic(path, json.dumps({"missing": sorted(processes), "since": since}).encode())
-
-
-def _child_report(kind: str, *, per_host: bool = False) -> Path | None:
-  """Where a worker under :func:`launch` writes its ``kind`` report for the
-  supervisor (``<kind>-inc<incarnation>[-host<host>].json``), or None when
-  it does not run under ``launch``."""
-  where, job, me = (os.environ.get(REPORT_DIR_ENV), incarnation_from_env(),
-                    os.environ.get("SNAPSTORE_HOST", ""))
-  if not where or job is None or (per_host and not me.isdigit()):
-    return None
-  return Path(where) / (f"{kind}-inc{job}" + (f"-host{me}" if per_host else "") + ".json")
-
-
 def _fence(inc: Incarnation, procs: dict[int, subprocess.Popen[bytes]],
            started: dict[int, float], report_dir: Path, now: float) -> None:
   """Kills each host that a survivor has reported missing for
@@ -196,46 +162,11 @@ def _fence(inc: Incarnation, procs: dict[int, subprocess.Popen[bytes]],
                          "fenced": time.time()})
 
 
-def report_restart(why: str) -> None:
-  """Under :func:`launch`: why this worker asks for a full restart (it
-  exits with ``recovery.RESTART_EXIT_CODE`` next); ``Incarnation.fallback``
-  carries it."""
-  path = _child_report("restart", per_host=True)
-  if path is not None:
-    write_atomic(path, json.dumps(why).encode())
-
-
 def _restart_reason(report_dir: Path, number: int, host: int) -> str:
   try:
     return str(json.loads((report_dir / f"restart-inc{number}-host{host}.json").read_text()))
   except (OSError, ValueError):
     return "no reason given"
-
-
-def report_resize(change: dict[str, Any], *, replace_last: bool = False) -> None:
-  """Under :func:`launch`: the job went on with other processes than
-  before (``recovery.Resize.as_dict()``); the incarnation report lists
-  every such change (``Incarnation.resizes``). ``replace_last``: the same
-  change, now with its first step's time."""
-  path = _child_report("resize")
-  if path is not None:
-    doc = json.loads(path.read_text()) if path.exists() else []
-    if replace_last and doc and doc[-1]["formed_at"] == change["formed_at"]:
-      doc.pop()
-    doc.append(change)
-    write_atomic(path, json.dumps(doc).encode())
-
-
-def report_digest(step: int, digest: str, incarnation: int) -> None:
-  """Under :func:`launch`: host 0 records the global state's digest at
-  ``step``; the supervisor's report (``--json``) carries them per incarnation,
-  so runs can be compared bitwise from the command line."""
-  where = os.environ.get(REPORT_DIR_ENV)
-  if where:
-    path = Path(where) / f"digests-inc{incarnation}.json"
-    doc = json.loads(path.read_text()) if path.exists() else {}
-    doc[str(step)] = digest
-    write_atomic(path, json.dumps(doc).encode())
 
 
 def global_digest(state: Any, replicated: Any) -> str:
@@ -351,180 +282,18 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   if not 0.0 <= replacement_delay_s < float("inf"):
     raise ValueError(f"replacement_delay_s must be a finite number >= 0, "
                      f"got {replacement_delay_s!r}")
-  out: list[Incarnation] = []
-  hosts = num_hosts
-  carried = [k for k in kills if k.incarnation is None]  # fired in any incarnation
-  deadline = time.monotonic() + timeout_s
   report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
   report_dir.mkdir(parents=True, exist_ok=True)
+  job = _Job(module, list(args), devices_per_host, store_dir, run_id, list(kills),
+             [k for k in kills if k.incarnation is None],  # fired in any incarnation
+             time.monotonic() + timeout_s, timeout_s, report_dir,
+             Path(log_dir) if log_dir else None, env or {}, bind_address, in_place,
+             host_service, max_replacements, min_hosts, replacement_delay_s)
+  out: list[Incarnation] = []
+  hosts = num_hosts
   for number in range(max_incarnations):
-    reservation = _reserve_port(bind_address)
-    port = reservation.getsockname()[1]
-    inc = Incarnation(number, hosts, time.time())
+    inc, failed = Supervisor(job, number, hosts).run()
     out.append(inc)
-    report = report_dir / f"restore-inc{number}.json"
-    digests = report_dir / f"digests-inc{number}.json"
-    for stale in (report, digests, report_dir / f"resize-inc{number}.json",
-                  *report_dir.glob(f"restart-inc{number}-host*.json")):
-      stale.unlink(missing_ok=True)
-    pending = ([k for k in kills if k.incarnation == number and k.host < hosts]
-               + [k for k in carried if k.host < hosts])
-    armed: dict[int, list[Kill]] = {}  # what each host's running process was armed with
-    sent: set[int] = set()  # pids this supervisor signalled (their phase kills did not fire)
-    service, extra_env = None, {}
-    if in_place:
-      from . import recovery  # imports jax: only when asked
-      inc.fallback = recovery.unsupported()
-      if inc.fallback is None:
-        extra_env = {IN_PLACE_ENV: "1"}
-        if min_hosts is not None:
-          extra_env[recovery.MIN_HOSTS_ENV] = str(min_hosts)
-        if host_service:
-          service = recovery.start_service(f"{bind_address}:{port}", hosts)
-          extra_env[recovery.SERVICE_ENV] = "external"
-      else:
-        logger.warning("in-place recovery is off, full restarts instead: %s", inc.fallback)
-    attempts = dict.fromkeys(range(hosts), 0)
-
-    def start(h: int) -> subprocess.Popen[bytes]:
-      penv = dict(os.environ, **(env or {}), **extra_env)
-      penv.update(SNAPSTORE_COORDINATOR=f"{bind_address}:{port}",
-                  SNAPSTORE_COORDINATOR_BIND=f"{bind_address}:{port}",
-                  SNAPSTORE_NUM_HOSTS=str(hosts),
-                  SNAPSTORE_HOST=str(h), SNAPSTORE_INCARNATION=str(number),
-                  SNAPSTORE_DEVICES_PER_HOST=str(devices_per_host),
-                  SNAPSTORE_REPORT_DIR=str(report_dir), SNAPSTORE_ATTEMPT=str(attempts[h]))
-      penv.pop(_faults.ENV, None)
-      armed[h] = _arming(pending, h)
-      if armed[h]:
-        penv[_faults.ENV] = ",".join(f"{k.phase}@{k.step}" + (":stop" if k.freeze else "")
-                                     for k in armed[h])
-      name = f"inc{number}-host{h}" + (f"-r{attempts[h]}" if attempts[h] else "")
-      if not log_dir:
-        return subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-      with open(Path(log_dir) / f"{name}.log", "wb") as log:  # the child keeps its copy
-        return subprocess.Popen([sys.executable, "-m", module, *args], env=penv,
-                                stdout=log, stderr=subprocess.STDOUT)
-
-    procs = {h: start(h) for h in range(hosts)}
-    started = dict.fromkeys(procs, time.time())  # when each host's process started
-    due_at: dict[int, float] = {}  # host -> when its replacement starts (in place)
-    fence_at = 0.0
-    seen_at: dict[int, float] = {}  # step -> when a host to kill there reported it
-    failed = False
-    while procs.keys() - inc.exit_codes.keys():
-      if time.monotonic() > deadline:
-        for p in procs.values():
-          p.kill()
-          p.wait()
-        if service is not None:
-          service.shutdown()
-        reservation.close()
-        raise TimeoutError(f"job did not finish in {timeout_s} s (incarnation {number})")
-      now = time.monotonic()
-      for k in pending:
-        if (k.phase is None and k.step not in seen_at and
-            read_progress(host_dir(store_dir, run_id, k.host))[0] >= k.step):
-          seen_at[k.step] = now
-      due = [k for k in pending if k.phase is None and k.step in seen_at
-             and now - seen_at[k.step] >= k.delay_s]
-      if due:  # kills at the same step (and delay) fire together.
-        step = min(k.step for k in due)
-        for k in [k for k in due if k.step == step]:
-          if procs[k.host].poll() is not None:  # it exited on its own meanwhile
-            if k.incarnation is not None:  # (a carried kill waits for its replacement)
-              pending.remove(k)
-            continue
-          inc.kill_time = inc.kill_time or time.time()
-          if k.freeze:  # alive and silent: no exit for the loop below to see
-            sent.add(procs[k.host].pid)
-            procs[k.host].send_signal(signal.SIGSTOP)
-          else:
-            sent.add(procs[k.host].pid)
-            procs[k.host].send_signal(signal.SIGKILL)
-            procs[k.host].wait()
-          _record_kill(inc, k, store_dir, run_id)
-          _fired(k, pending, carried)
-      for h in [h for h, t in due_at.items() if time.time() >= t]:
-        del due_at[h]
-        procs[h] = start(h)  # the same host id; the others keep running
-        started[h] = time.time()
-        next(r for r in reversed(inc.replaced) if r["host"] == h)["started"] = started[h]
-      if due_at and any(c == 0 for c in inc.exit_codes.values()):  # the job is ending
-        inc.unreplaced = sorted(due_at)
-        for h in due_at:
-          del procs[h]
-        due_at.clear()
-      if extra_env and service is not None and now >= fence_at:
-        fence_at = now + FENCE_POLL_S
-        _fence(inc, procs, started, report_dir, now)
-      for h, p in procs.items():
-        if h in due_at:  # dead, its replacement not started yet
-          continue
-        freeze = next((k for k in armed.get(h, ()) if k.freeze), None)
-        if (freeze is not None and p.poll() is None and p.pid not in sent
-            and _stopped(p.pid)):  # it froze at its (first) armed freeze
-          del armed[h]
-          _record_kill(inc, freeze, store_dir, run_id)
-          _fired(freeze, pending, carried)
-        if h in inc.exit_codes or p.poll() is None:
-          continue
-        code = p.returncode
-        fenced = any(f["pid"] == p.pid for f in inc.fenced)
-        if armed.get(h) and code == -signal.SIGKILL and p.pid not in sent and not fenced:
-          k = armed.pop(h)[0]  # its first armed point killed it
-          _record_kill(inc, k, store_dir, run_id)
-          _fired(k, pending, carried)
-        if extra_env and code not in (0, recovery.RESTART_EXIT_CODE):
-          if service is None and h == 0:
-            inc.fallback = "host 0 died, and the coordination service died with it"
-          elif len(inc.replaced) < max_replacements:
-            attempts[h] += 1
-            inc.replaced.append({"host": h, "exit_code": code, "died": time.time()})
-            due_at[h] = time.time() + replacement_delay_s
-            logger.info("incarnation %d: host %d exited %d; replaced in place%s", number, h,
-                        code, f" in {replacement_delay_s:g} s" if replacement_delay_s else "")
-            continue
-          else:
-            inc.fallback = f"more than {max_replacements} replacements"
-        elif extra_env and code == recovery.RESTART_EXIT_CODE:
-          inc.fallback = (f"host {h} asked for a full restart (exit {code}): "
-                          f"{_restart_reason(report_dir, number, h)}")
-        inc.exit_codes[h] = code
-        failed = failed or code != 0
-      if failed:  # the coordination service would abort the rest: do it now.
-        for h, p in procs.items():
-          if p.poll() is None:
-            p.kill()
-          inc.exit_codes[h] = p.wait()
-        break
-      time.sleep(POLL_S)
-    for p in procs.values():  # (a frozen host the job finished without)
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    if service is not None:
-      service.shutdown()
-    reservation.close()
-    inc.ended = time.time()
-    if report.exists():
-      inc.restores = json.loads(report.read_text())
-      inc.restore = inc.restores[0]
-    if digests.exists():
-      inc.digests = json.loads(digests.read_text())
-    resizes = report_dir / f"resize-inc{number}.json"
-    if resizes.exists():
-      inc.resizes = json.loads(resizes.read_text())
-    if not failed and carried:
-      raise RuntimeError(f"{len(carried)} kills never fired, the first {carried[0]}: the job "
-                         "ended before it reached them")
-    unseen = [k for k in pending if k.phase is None]
-    if not failed and unseen:
-      raise RuntimeError(
-          f"kill {unseen[0]} never fired: host {unseen[0].host} never reported step "
-          f"{unseen[0].step} in {host_dir(store_dir, run_id, unseen[0].host)}. Is that the "
-          "worker's store (--store-dir, --run-id), and does the job reach that step?")
     if not failed:
       return out
     if between is not None:
@@ -535,6 +304,254 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       hosts = shrink_to
   raise RuntimeError(f"job still failing after {max_incarnations} incarnations; "
                      f"logs: {log_dir or 'pass log_dir'}")
+
+
+@dataclasses.dataclass
+class _Job:
+  """What :func:`launch` was asked to run, for each incarnation."""
+
+  module: str
+  args: list[str]
+  devices_per_host: int
+  store_dir: str | os.PathLike[str]
+  run_id: str
+  kills: list[Kill]
+  carried: list[Kill]  # kills for any incarnation, not fired yet
+  deadline: float  # time.monotonic()
+  timeout_s: float
+  report_dir: Path
+  log_dir: Path | None
+  env: dict[str, str]
+  bind_address: str
+  in_place: bool
+  host_service: bool
+  max_replacements: int
+  min_hosts: int | None
+  replacement_delay_s: float
+
+
+class Supervisor:
+  """One incarnation of a :func:`launch` job: it starts the processes, then
+  polls until every process has exited (or one failed): it fires the kills
+  that are due, starts the replacements that are due (in place), fences
+  hosts reported missing, and reaps exits; then it collects the workers'
+  reports into the :class:`Incarnation`."""
+
+  def __init__(self, job: _Job, number: int, hosts: int) -> None:
+    self.job, self.hosts = job, hosts
+    self.inc = Incarnation(number, hosts, time.time())
+    self.pending = ([k for k in job.kills if k.incarnation == number and k.host < hosts]
+                    + [k for k in job.carried if k.host < hosts])
+    self.armed: dict[int, list[Kill]] = {}  # what each host's running process was armed with
+    self.sent: set[int] = set()  # pids signalled here (their phase kills did not fire)
+    self.attempts = dict.fromkeys(range(hosts), 0)
+    self.procs: dict[int, subprocess.Popen[bytes]] = {}
+    self.started: dict[int, float] = {}  # when each host's process started
+    self.due_at: dict[int, float] = {}  # host -> when its replacement starts (in place)
+    self.seen_at: dict[int, float] = {}  # step -> when a host to kill there reported it
+    self.service: Any = None
+    self.extra_env: dict[str, str] = {}
+    self.failed = False
+
+  def run(self) -> tuple[Incarnation, bool]:
+    """Runs the incarnation; returns it and whether it failed."""
+    job, inc = self.job, self.inc
+    reservation = _reserve_port(job.bind_address)
+    self.port = reservation.getsockname()[1]
+    for stale in (self._report("restore"), self._report("digests"), self._report("resize"),
+                  *job.report_dir.glob(f"restart-inc{inc.number}-host*.json")):
+      stale.unlink(missing_ok=True)
+    try:
+      self._serve()
+      self.procs = {h: self._start(h) for h in range(self.hosts)}
+      self.started = dict.fromkeys(self.procs, time.time())
+      fence_at = 0.0
+      while self.procs.keys() - inc.exit_codes.keys():
+        if time.monotonic() > job.deadline:
+          for p in self.procs.values():
+            p.kill()
+            p.wait()
+          raise TimeoutError(f"job did not finish in {job.timeout_s} s "
+                             f"(incarnation {inc.number})")
+        now = time.monotonic()
+        self._fire_due_kills(now)
+        self._start_due_replacements()
+        if self.extra_env and self.service is not None and now >= fence_at:
+          fence_at = now + FENCE_POLL_S
+          _fence(inc, self.procs, self.started, job.report_dir, now)
+        self._reap()
+        if self.failed:  # the coordination service would abort the rest: do it now.
+          for h, p in self.procs.items():
+            if p.poll() is None:
+              p.kill()
+            inc.exit_codes[h] = p.wait()
+          break
+        time.sleep(POLL_S)
+      for p in self.procs.values():  # (a frozen host the job finished without)
+        if p.poll() is None:
+          p.kill()
+          p.wait()
+    finally:
+      if self.service is not None:
+        self.service.shutdown()
+      reservation.close()
+    self._finish()
+    return inc, self.failed
+
+  def _report(self, kind: str) -> Path:
+    return self.job.report_dir / f"{kind}-inc{self.inc.number}.json"
+
+  def _serve(self) -> None:
+    """In place: the workers' environment, and the coordination service
+    here unless ``host_service`` is off."""
+    if not self.job.in_place:
+      return
+    from . import recovery  # imports jax: only when asked
+    inc = self.inc
+    inc.fallback = recovery.unsupported()
+    if inc.fallback is not None:
+      logger.warning("in-place recovery is off, full restarts instead: %s", inc.fallback)
+      return
+    self.extra_env = {IN_PLACE_ENV: "1"}
+    if self.job.min_hosts is not None:
+      self.extra_env[recovery.MIN_HOSTS_ENV] = str(self.job.min_hosts)
+    if self.job.host_service:
+      address = f"{self.job.bind_address}:{self.port}"
+      self.service = recovery.start_service(address, self.hosts)
+      self.extra_env[recovery.SERVICE_ENV] = "external"
+
+  def _start(self, h: int) -> subprocess.Popen[bytes]:
+    job, address = self.job, f"{self.job.bind_address}:{self.port}"
+    penv = dict(os.environ, **job.env, **self.extra_env)
+    penv.update(SNAPSTORE_COORDINATOR=address, SNAPSTORE_COORDINATOR_BIND=address,
+                SNAPSTORE_NUM_HOSTS=str(self.hosts),
+                SNAPSTORE_HOST=str(h), SNAPSTORE_INCARNATION=str(self.inc.number),
+                SNAPSTORE_DEVICES_PER_HOST=str(job.devices_per_host),
+                SNAPSTORE_REPORT_DIR=str(job.report_dir),
+                SNAPSTORE_ATTEMPT=str(self.attempts[h]))
+    penv.pop(_faults.ENV, None)
+    self.armed[h] = _arming(self.pending, h)
+    if self.armed[h]:
+      penv[_faults.ENV] = ",".join(f"{k.phase}@{k.step}" + (":stop" if k.freeze else "")
+                                   for k in self.armed[h])
+    name = f"inc{self.inc.number}-host{h}" + (f"-r{self.attempts[h]}" if self.attempts[h]
+                                               else "")
+    cmd = [sys.executable, "-m", job.module, *job.args]
+    if job.log_dir is None:
+      return subprocess.Popen(cmd, env=penv, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT)
+    with open(job.log_dir / f"{name}.log", "wb") as log:  # the child keeps its copy
+      return subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT)
+
+  def _fire_due_kills(self, now: float) -> None:
+    """The supervisor's kills whose host reported their step (``delay_s``
+    ago); those at the same step fire together."""
+    job, inc = self.job, self.inc
+    for k in self.pending:
+      if (k.phase is None and k.step not in self.seen_at and
+          read_progress(host_dir(job.store_dir, job.run_id, k.host))[0] >= k.step):
+        self.seen_at[k.step] = now
+    due = [k for k in self.pending if k.phase is None and k.step in self.seen_at
+           and now - self.seen_at[k.step] >= k.delay_s]
+    if not due:
+      return
+    step = min(k.step for k in due)
+    for k in [k for k in due if k.step == step]:
+      p = self.procs[k.host]
+      if p.poll() is not None:  # it exited on its own meanwhile
+        if k.incarnation is not None:  # (a carried kill waits for its replacement)
+          self.pending.remove(k)
+        continue
+      inc.kill_time = inc.kill_time or time.time()
+      self.sent.add(p.pid)
+      if k.freeze:  # alive and silent: no exit for the reaper to see
+        p.send_signal(signal.SIGSTOP)
+      else:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+      _record_kill(inc, k, job.store_dir, job.run_id)
+      _fired(k, self.pending, job.carried)
+
+  def _start_due_replacements(self) -> None:
+    inc = self.inc
+    for h in [h for h, t in self.due_at.items() if time.time() >= t]:
+      del self.due_at[h]
+      self.procs[h] = self._start(h)  # the same host id; the others keep running
+      self.started[h] = time.time()
+      next(r for r in reversed(inc.replaced) if r["host"] == h)["started"] = self.started[h]
+    if self.due_at and any(c == 0 for c in inc.exit_codes.values()):  # the job is ending
+      inc.unreplaced = sorted(self.due_at)
+      for h in self.due_at:
+        del self.procs[h]
+      self.due_at.clear()
+
+  def _reap(self) -> None:
+    """Each exit: a host frozen at its armed point is recorded; in place, a
+    dead host is replaced (after ``replacement_delay_s``) unless it asked
+    for a full restart or the replacements ran out; otherwise its exit code
+    counts, and a nonzero one fails the incarnation."""
+    job, inc = self.job, self.inc
+    for h, p in self.procs.items():
+      if h in self.due_at:  # dead, its replacement not started yet
+        continue
+      freeze = next((k for k in self.armed.get(h, ()) if k.freeze), None)
+      if (freeze is not None and p.poll() is None and p.pid not in self.sent
+          and _stopped(p.pid)):  # it froze at its (first) armed freeze
+        del self.armed[h]
+        _record_kill(inc, freeze, job.store_dir, job.run_id)
+        _fired(freeze, self.pending, job.carried)
+      if h in inc.exit_codes or p.poll() is None:
+        continue
+      code = p.returncode
+      fenced = any(f["pid"] == p.pid for f in inc.fenced)
+      if self.armed.get(h) and code == -signal.SIGKILL and p.pid not in self.sent \
+          and not fenced:
+        k = self.armed.pop(h)[0]  # its first armed point killed it
+        _record_kill(inc, k, job.store_dir, job.run_id)
+        _fired(k, self.pending, job.carried)
+      if self.extra_env and code not in (0, RESTART_EXIT_CODE):
+        if self.service is None and h == 0:
+          inc.fallback = "host 0 died, and the coordination service died with it"
+        elif len(inc.replaced) < job.max_replacements:
+          self.attempts[h] += 1
+          inc.replaced.append({"host": h, "exit_code": code, "died": time.time()})
+          self.due_at[h] = time.time() + job.replacement_delay_s
+          logger.info("incarnation %d: host %d exited %d; replaced in place%s", inc.number,
+                      h, code, f" in {job.replacement_delay_s:g} s"
+                      if job.replacement_delay_s else "")
+          continue
+        else:
+          inc.fallback = f"more than {job.max_replacements} replacements"
+      elif self.extra_env and code == RESTART_EXIT_CODE:
+        inc.fallback = (f"host {h} asked for a full restart (exit {code}): "
+                        f"{_restart_reason(job.report_dir, inc.number, h)}")
+      inc.exit_codes[h] = code
+      self.failed = self.failed or code != 0
+
+  def _finish(self) -> None:
+    """The workers' reports into the incarnation; a kill that never fired
+    in a job that finished is an error."""
+    job, inc = self.job, self.inc
+    inc.ended = time.time()
+    if self._report("restore").exists():
+      inc.restores = json.loads(self._report("restore").read_text())
+      inc.restore = inc.restores[0]
+    if self._report("digests").exists():
+      inc.digests = json.loads(self._report("digests").read_text())
+    if self._report("resize").exists():
+      inc.resizes = json.loads(self._report("resize").read_text())
+    if self.failed:
+      return
+    if job.carried:
+      raise RuntimeError(f"{len(job.carried)} kills never fired, the first "
+                         f"{job.carried[0]}: the job ended before it reached them")
+    unseen = [k for k in self.pending if k.phase is None]
+    if unseen:
+      k = unseen[0]
+      raise RuntimeError(
+          f"kill {k} never fired: host {k.host} never reported step {k.step} in "
+          f"{host_dir(job.store_dir, job.run_id, k.host)}. Is that the worker's store "
+          "(--store-dir, --run-id), and does the job reach that step?")
 
 
 def _arming(pending: Sequence[Kill], h: int) -> list[Kill]:

@@ -62,11 +62,11 @@ from typing import Any
 
 import jax
 
-from . import _abort, _cache_keys, _group, _orbax_barrier
+from . import _abort, _cache_keys, _group, _orbax_barrier, _reports, errors
 
 logger = logging.getLogger(__name__)
 
-RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: "restart the whole job", for launch
+RESTART_EXIT_CODE = _reports.RESTART_EXIT_CODE  # "restart the whole job", for launch
 SERVICE_ENV = "SNAPSTORE_SERVICE"  # "external": the supervisor hosts the service
 COLLECTIVE_TIMEOUT_ENV = "SNAPSTORE_COLLECTIVE_TIMEOUT_S"  # initialize()'s default
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30
@@ -89,12 +89,12 @@ GPU_ENV = {"XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
            "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"}
 
 
-class RestartRequired(RuntimeError):
+class RestartRequired(errors.SnapstoreError, RuntimeError):
   """In-place recovery is not possible here; exit with
   :data:`RESTART_EXIT_CODE` and let the supervisor restart the whole job."""
 
 
-class PeerFailed(RuntimeError):
+class PeerFailed(errors.SnapstoreError, RuntimeError):
   """Another process's step failed; this one's is discarded too."""
 
 
@@ -115,7 +115,7 @@ def failed_in_block(client: Any) -> str | None:
     return None
 
 
-class MembersMissing(RuntimeError):
+class MembersMissing(errors.SnapstoreError, RuntimeError):
   """Not every process of the job is live (a replacement is starting, or a
   host hangs: the supervisor fences it). ``processes``: the missing ones;
   ``since``: when they were last seen, if known (else when this process
@@ -491,8 +491,7 @@ class InPlace:
       if self.resizes and self.resizes[-1].first_step_at is None:
         self.resizes[-1].first_step_at = time.time()
         if self._hosts[0] == jax.process_index():
-          from . import launch
-          launch.report_resize(self.resizes[-1].as_dict(), replace_last=True)
+          _reports.report_resize(self.resizes[-1].as_dict(), replace_last=True)
 
   @property
   def hosts(self) -> tuple[int, ...]:
@@ -543,13 +542,12 @@ class InPlace:
                                lost, joined, full))
     logger.warning("the job goes on with %d of %d processes (%s: lost %s, joined %s)",
                    len(hosts), jax.process_count(), kind, lost, joined)
-    from . import launch  # (the supervisor's side of the protocol)
     gone = sorted(set(range(jax.process_count())) - set(hosts))
     if gone:  # (a hung one still runs: the supervisor fences and replaces it; the
       # time: when it was last a member, so a replacement started since is not fenced)
-      launch.report_missing(gone, self._formed_at)
+      _reports.report_missing(gone, self._formed_at)
     if hosts[0] == jax.process_index():  # one writer
-      launch.report_resize(self.resizes[-1].as_dict())
+      _reports.report_resize(self.resizes[-1].as_dict())
 
   def _order_for(self, key: tuple[tuple[int, int], ...],
                  incarnations: dict[jax.Device, int]) -> list[jax.Device]:
@@ -641,10 +639,9 @@ class InPlace:
     if missing is not None:
       self._waiting_since = self._waiting_since or now
       if missing.processes:
-        from . import launch  # (the supervisor's side of the protocol)
         # (a report names a process by its host: one last seen before its
         # replacement started is not about the replacement)
-        launch.report_missing(missing.processes, missing.since or self._waiting_since)
+        _reports.report_missing(missing.processes, missing.since or self._waiting_since)
       if not body:  # live() found it at the entry: nothing ran, wait for the replacement
         if now - self._waiting_since > self.wait_timeout_s:
           raise _restart(f"no replacement joined in {self.wait_timeout_s:.0f} s: "
@@ -677,9 +674,8 @@ class InPlace:
 def _restart(why: str) -> RestartRequired:
   """The error that ends in-place recovery here, its reason given to the
   supervisor first (``launch``'s incarnation report carries it)."""
-  from . import launch
   with contextlib.suppress(OSError):
-    launch.report_restart(why)
+    _reports.report_restart(why)
   return RestartRequired(why)
 
 

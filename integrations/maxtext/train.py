@@ -182,8 +182,7 @@ class _Engine:
       out = original(*args, **kwargs)
       summary = {"source": "maxtext" if orbax_step is not None else "init",
                  "step": orbax_step, "why": why, "timings": {"total": time.time() - t1}}
-      self._record_restore(summary, t0,
-                           replaces_report=self.manager is not None and "newer" in why)
+      self._record_restore(summary, t0)
       if self._elastic is not None:
         self._elastic.restored(self.report["restores"][-1])
       return out
@@ -191,7 +190,7 @@ class _Engine:
     if grain:
       _set_iterator_state(bound.arguments.get("data_iterator"), state["data_iterator"])
       state = state["maxtext"]
-    self._record_restore(r.summary(), t0, reported=True)
+    self._record_restore(r.summary(), t0)
     self._digest(state, r.step)
     if self._elastic is not None:
       self._elastic.restored(self.report["restores"][-1])
@@ -254,19 +253,17 @@ class _Engine:
     return original(logger, metrics, step, *args, **kwargs)
 
   # ------------------------------------------------------------- reports
-  def _record_restore(self, summary: dict[str, Any], t0: float, *, reported: bool = False,
-                      replaces_report: bool = False) -> None:
-    """Into this process's report, and (host 0) the supervisor's, unless the
-    manager's restore already put it there; ``replaces_report``: MaxText's
-    own restore won over the snapshot the manager reported."""
+  def _record_restore(self, summary: dict[str, Any], t0: float) -> None:
+    """Into this process's report, and (host 0) the supervisor's: the
+    restore that won (a snapshot, or MaxText's own), once."""
     summary = dict(summary, started=t0, ended=time.time())
     self.report["restores"].append(summary)
-    if self._report_dir and not reported:
+    if self._report_dir:
       import jax
 
       from snapstore.launch import incarnation_from_env, report_restore
       if jax.process_index() == 0:
-        report_restore(summary, incarnation_from_env() or 0, replace_last=replaces_report)
+        report_restore(summary, incarnation_from_env() or 0)
     self._write()
 
   def _digest(self, state: Any, step: int) -> None:

@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 
-def main() -> int:
-  started = time.time()
-  faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack, to the log
+def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser()
   p.add_argument("--steps", type=int, required=True)
   p.add_argument("--out", required=True)
@@ -58,150 +57,184 @@ def main() -> int:
   p.add_argument("--batch", type=int, default=None,
                  help="global batch (default the model's 8; a job that may go on with "
                       "fewer hosts needs one every data-parallel degree divides, e.g. 24)")
-  a = p.parse_args()
-  from snapstore.launch import global_digest, in_place_from_env, init_from_env, report_digest
-  host, host_count, inc = init_from_env()
-  import os
+  return p
 
-  import jax
 
-  import snapstore
-  from snapstore._manifest import write_atomic
-  from snapstore.demo.example import ModelConfig, Trainer, make_mesh
+class _Worker:
+  """This host's side of the job: restore or init, train, record (its
+  report, and host 0's digests and restores for the supervisor)."""
 
-  cfg = ModelConfig() if a.batch is None else ModelConfig(batch=a.batch)
-  in_place = in_place_from_env()
-  full_devices = host_count * jax.local_device_count()
+  def __init__(self, a: argparse.Namespace, started: float) -> None:
+    from snapstore.launch import in_place_from_env, init_from_env
+    self.a = a
+    self.host, self.host_count, self.inc = init_from_env()
+    import jax
 
-  def digest(trainer: Trainer, state, step: int) -> str:
+    import snapstore
+    from snapstore.demo.example import ModelConfig
+    self.cfg = ModelConfig() if a.batch is None else ModelConfig(batch=a.batch)
+    self.in_place = in_place_from_env()
+    self.full_devices = self.host_count * jax.local_device_count()
+    self.opts = snapstore.SnapshotOptions(
+        interval=1 if a.snapshots else 10**9, keep=a.keep, store_dir=a.store,
+        run_id=a.run_id, persistent_interval=a.checkpoint_every, replicas=a.replicas,
+        redundancy=a.redundancy, parity_k=a.parity_k, replica_interval=a.replica_interval,
+        hosts_per_domain=a.hosts_per_domain)
+    attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))
+    self.report: dict[str, Any] = {
+        "host": self.host, "incarnation": self.inc, "attempt": attempt, "pid": os.getpid(),
+        "in_place": self.in_place, "losses": {}, "digests": {}, "trained": {}, "times": {},
+        "save_s": {}, "started": started, "restores": [], "recoveries": [], "phases": []}
+    self.out = Path(a.out) / (f"inc{self.inc}-host{self.host}"
+                              + (f"-r{attempt}" if attempt else "") + ".json")
+    self.mgr: Any = None
+    self.start_of_pass = 0
+
+  def mark(self, name: str) -> None:  # a timeline of this process, for the demo's report
+    self.report["phases"].append((name, time.time()))
+
+  def write(self) -> None:  # atomically: a SIGKILL must not leave a torn report
+    from snapstore._manifest import write_atomic
+    self.report["save_metrics"] = self.mgr.metrics.as_dict()
+    write_atomic(self.out, json.dumps(self.report).encode())
+
+  def digest(self, trainer: Any, state: Any, step: int) -> str:
     """The global state's sha256 (every host gets every byte: one jitted
     all-gather on the trainer's mesh)."""
+    from snapstore.launch import global_digest, report_digest
     value = global_digest(state, trainer.replicated)
-    if host == 0:
-      report_digest(step, value, inc)
+    if self.host == 0:
+      report_digest(step, value, self.inc)
     return value
 
-  opts = snapstore.SnapshotOptions(
-      interval=1 if a.snapshots else 10**9, keep=a.keep, store_dir=a.store, run_id=a.run_id,
-      persistent_interval=a.checkpoint_every, replicas=a.replicas,
-      redundancy=a.redundancy, parity_k=a.parity_k,
-      replica_interval=a.replica_interval,
-      hosts_per_domain=a.hosts_per_domain)
-  attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))
-  report: dict[str, Any] = {
-      "host": host, "incarnation": inc, "attempt": attempt, "pid": os.getpid(),
-      "in_place": in_place, "losses": {}, "digests": {}, "trained": {}, "times": {}, "save_s": {},
-      "started": started, "restores": [], "recoveries": [], "phases": []}
-
-  def mark(name: str) -> None:  # a timeline of this process, for the demo's report
-    report["phases"].append((name, time.time()))
-
-  def write() -> None:  # atomically: a SIGKILL must not leave a torn report
-    report["save_metrics"] = mgr.metrics.as_dict()
-    write_atomic(out, json.dumps(report).encode())
-  out = Path(a.out) / (f"inc{inc}-host{host}" + (f"-r{attempt}" if attempt else "") + ".json")
-
-  def restore_or_init(trainer: Trainer, hosts: list[int] | None = None):
+  def restore_or_init(self, trainer: Any, hosts: list[int] | None = None) -> tuple[Any, int]:
+    import snapstore
+    from snapstore.launch import report_restore
     t0 = time.time()
     try:
-      r = mgr.restore(trainer.abstract_state())
+      r = self.mgr.restore(trainer.abstract_state())
     except snapstore.NothingToRestoreError:
       return trainer.init_state(), 1
+    if self.host == 0:  # the supervisor's incarnation report
+      report_restore(r.summary(), self.inc)
+    report = self.report
     report["restores"].append(dict(r.summary(), started=t0, ended=time.time(),
                                    devices=trainer.mesh.size, hosts=hosts))
     report.setdefault("restore", report["restores"][-1])
     report["restore_start"], report["restore_end"] = t0, time.time()
-    if a.digest_restore:
-      report["digests"][r.step] = report["restores"][-1]["digest"] = digest(
+    if self.a.digest_restore:
+      report["digests"][r.step] = report["restores"][-1]["digest"] = self.digest(
           trainer, r.state, r.step)
     return r.state, r.step + 1
 
-  def train(trainer: Trainer, state, s: int):
+  def train(self, trainer: Any, state: Any, s: int) -> tuple[Any, float]:
     t_step = time.perf_counter()
     state, out = trainer.step(state, s)
     loss = float(out)  # blocks until the step is done everywhere
-    if s == start_of_pass[0]:
-      mark("first step")
-    pad = a.min_step_s * full_devices / trainer.mesh.size  # the devices share one batch
+    if s == self.start_of_pass:
+      self.mark("first step")
+    pad = self.a.min_step_s * self.full_devices / trainer.mesh.size  # one batch, shared
     time.sleep(max(0.0, pad - (time.perf_counter() - t_step)))
     t_save = time.perf_counter()
-    mgr.save(s, state)
-    report["save_s"][s] = time.perf_counter() - t_save  # what the loop waits for
+    self.mgr.save(s, state)
+    self.report["save_s"][s] = time.perf_counter() - t_save  # what the loop waits for
     return state, loss
 
-  def record(trainer: Trainer, state, s: int, loss: float) -> None:
-    report["losses"][s] = loss
-    report["times"][s] = time.time()
-    if a.digest_every_step or s == a.steps:
-      report["digests"][s] = report["trained"][s] = digest(trainer, state, s)
-    write()
+  def record(self, trainer: Any, state: Any, s: int, loss: float) -> None:
+    self.report["losses"][s] = loss
+    self.report["times"][s] = time.time()
+    if self.a.digest_every_step or s == self.a.steps:
+      self.report["digests"][s] = self.report["trained"][s] = self.digest(trainer, state, s)
+    self.write()
 
-  with snapstore.SnapshotManager(opts, persistent=a.persistent) as mgr:
-    report["restore_start"] = time.time()
-    start_of_pass = [0]
-    trainer: Trainer | None
-    if not in_place:
-      trainer = Trainer(cfg)
-      state, start = restore_or_init(trainer)
-      write()
-      for s in range(start, a.steps + 1):
-        state, loss = train(trainer, state, s)
-        record(trainer, state, s, loss)
-    else:
-      from snapstore import recovery
-      job = recovery.InPlace()
-      trainer = None
-      s = 0
-      start_of_pass = [0]
-      failures: tuple[type[BaseException], ...] = (*job.FAILURES, recovery.RestartRequired)
-      while s <= a.steps:
-        done = 0  # steps of this block: they count once its exit barrier passes
-        try:
-          with job.live() as devices:
-            if job.changed:  # the first pass, or the job healed: everyone restores
-              mark("membership")
-              trainer = Trainer(cfg, make_mesh(devices))
-              mark("trainer")
-              state, s = restore_or_init(trainer, hosts=list(job.hosts))
-              report["resizes"] = [r.as_dict() for r in job.resizes]
-              start_of_pass[0] = s
-              mark("restored")
-              trainer.compile(state)
-              mark("compiled")
-              write()
-              continue  # the exit barrier: every first step starts compiled, together
-            # The steps of a block count only if every process ends them all
-            # (a failure inside discards the block; the snapshots of its
-            # finished steps stay, so the rewind is still one step).
-            assert trainer is not None  # built on the first pass
-            if (a.short_steps is not None and len(job.hosts) < host_count
-                and s - start_of_pass[0] >= a.short_steps):
-              time.sleep(0.05)  # hold: the next block may take the replacement in
-              continue
-            while done < a.live_every and s + done <= a.steps:
-              state, loss = train(trainer, state, s + done)
-              record(trainer, state, s + done, loss)
-              done += 1
-          s += done
-          report["resizes"] = [r.as_dict() for r in job.resizes]
-        except failures as e:
-          mark(f"failed: {type(e).__name__}")
-          try:
-            if isinstance(e, recovery.RestartRequired):  # from live(): no order left
-              raise e
-            job.failed(e)
-          except recovery.RestartRequired as why:  # launch restarts the whole job
-            report["fallback"] = str(why)
-            write()
-            # no cleanup: a drain or an Orbax save may wait on the dead peer
-            os._exit(recovery.RESTART_EXIT_CODE)
-          finally:
-            report["recoveries"] = [r.as_dict() for r in job.recoveries]
+  def run(self) -> None:
+    """Restore (or init), then train to the last step, restarting never."""
+    from snapstore.demo.example import Trainer
+    trainer = Trainer(self.cfg)
+    state, start = self.restore_or_init(trainer)
+    self.write()
+    for s in range(start, self.a.steps + 1):
+      state, loss = self.train(trainer, state, s)
+      self.record(trainer, state, s, loss)
+
+  def run_in_place(self) -> Any:
+    """Train to the last step in ``live()`` blocks, healing in place: a
+    failed block is discarded and every process restores together."""
+    from snapstore import recovery
+    from snapstore.demo.example import Trainer, make_mesh
+    a, report = self.a, self.report
+    job = recovery.InPlace()
+    trainer: Trainer | None = None
+    state, s = None, 0
+    failures: tuple[type[BaseException], ...] = (*job.FAILURES, recovery.RestartRequired)
+    while s <= a.steps:
+      done = 0  # steps of this block: they count once its exit barrier passes
+      try:
+        with job.live() as devices:
+          if job.changed:  # the first pass, or the job healed: everyone restores
+            self.mark("membership")
+            trainer = Trainer(self.cfg, make_mesh(devices))
+            self.mark("trainer")
+            state, s = self.restore_or_init(trainer, hosts=list(job.hosts))
             report["resizes"] = [r.as_dict() for r in job.resizes]
-            report["aborts"] = job.watchdog.aborts if job.watchdog else []
-    mgr.wait_until_finished()
-  write()
-  if in_place:
+            self.start_of_pass = s
+            self.mark("restored")
+            trainer.compile(state)
+            self.mark("compiled")
+            self.write()
+            continue  # the exit barrier: every first step starts compiled, together
+          # The steps of a block count only if every process ends them all
+          # (a failure inside discards the block; the snapshots of its
+          # finished steps stay, so the rewind is still one step).
+          assert trainer is not None  # built on the first pass
+          if (a.short_steps is not None and len(job.hosts) < self.host_count
+              and s - self.start_of_pass >= a.short_steps):
+            time.sleep(0.05)  # hold: the next block may take the replacement in
+            continue
+          while done < a.live_every and s + done <= a.steps:
+            state, loss = self.train(trainer, state, s + done)
+            self.record(trainer, state, s + done, loss)
+            done += 1
+        s += done
+        report["resizes"] = [r.as_dict() for r in job.resizes]
+      except failures as e:
+        self._failed(job, e)
+    return job
+
+  def _failed(self, job: Any, e: BaseException) -> None:
+    """A failed block: wait for the job to heal, or exit for a full restart."""
+    from snapstore import recovery
+    self.mark(f"failed: {type(e).__name__}")
+    try:
+      if isinstance(e, recovery.RestartRequired):  # from live(): no order left
+        raise e
+      job.failed(e)
+    except recovery.RestartRequired as why:  # launch restarts the whole job
+      self.report["fallback"] = str(why)
+      self.write()
+      # no cleanup: a drain or an Orbax save may wait on the dead peer
+      os._exit(recovery.RESTART_EXIT_CODE)
+    finally:
+      self.report["recoveries"] = [r.as_dict() for r in job.recoveries]
+      self.report["resizes"] = [r.as_dict() for r in job.resizes]
+      self.report["aborts"] = job.watchdog.aborts if job.watchdog else []
+
+
+def main() -> int:
+  started = time.time()
+  faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack, to the log
+  w = _Worker(_parser().parse_args(), started)
+  import snapstore
+  job = None
+  with snapstore.SnapshotManager(w.opts, persistent=w.a.persistent) as w.mgr:
+    w.report["restore_start"] = time.time()
+    if w.in_place:
+      job = w.run_in_place()
+    else:
+      w.run()
+    w.mgr.wait_until_finished()
+  w.write()
+  if job is not None:
     job.close()
   return 0
 

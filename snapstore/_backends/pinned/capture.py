@@ -145,7 +145,33 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       d.platform == "cpu" for devs in ring.slices.values() for d in devs)
   if on_host:
     cap.host = {d: (HostCapture(list(specs), [], [], [], {}), [], []) for d in ring.order}
-  planned: list[tuple[int, jax.Array, _LeafPlan]] = []
+  planned, protect = _plan_leaves(cap, specs, leaves, ring, replicas=replicas, step=step,
+                                  chunk_bytes=chunk_bytes, stripes=stripes, on_host=on_host)
+  length = (_plan_parity(cap, ring, stripes, protect)
+            if protect and stripes is not None else 0)
+  before_dispatch({d: cap.nbytes(d) for d in ring.order})
+  slot = ({} if on_host and not protect else
+          {(p.leaf, p.index, d): n for d, ps in cap.pieces.items()
+           for n, (p, _) in enumerate(ps)})
+  _dispatch_leaves(cap, specs, planned, ring, slot, chunk_bytes)
+  if protect and stripes is not None:
+    _dispatch_parity(cap, ring, stripes, protect, length, slot, step=step,
+                     chunk_bytes=chunk_bytes)
+  return cap
+
+
+_Planned = list[tuple[int, jax.Array, "_LeafPlan"]]
+
+
+def _plan_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], leaves: Sequence[Any],
+                 ring: _Ring, *, replicas: int, step: int, chunk_bytes: int,
+                 stripes: _parity.Stripes | None, on_host: bool,
+                 ) -> tuple[_Planned, list[tuple[int, jax.Array]]]:
+  """Where each leaf's pieces go: scalars and numpy leaves taken now (a
+  checked copy a domain), CPU leaves into the host captures, the rest
+  planned for dispatch. Returns the planned leaves and those that parity
+  protects instead of replicas."""
+  planned: _Planned = []
   protect: list[tuple[int, jax.Array]] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if i == len(specs) // 2:
@@ -176,23 +202,32 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
         cap.pieces[d].append(_kept(i, index, plan.nbytes(index), owner))
         cap.arrays[d].append(None)  # filled at dispatch
       planned.append((i, arr, plan))
-  length = 0
-  if protect and stripes is not None:  # (protect is filled only with stripes)
-    layouts, length = _parity.layout(stripes, [i for i, _ in protect],
-                                     [a for _, a in protect])
-    for (s, j), device in np.ndenumerate(stripes.grid):
-      d = ring.domain(device)
-      key = (stripes.stripe_id(s), j)
-      cap.pieces[d].append((Piece(_parity.PARITY_LEAF, (key,), length // stripes.k), d))
-      cap.arrays[d].append(None)
-      cap.parity[key] = (tuple(ring.domain(x) for x in stripes.grid[s]),
-                         tuple(layouts[s * stripes.n + m] for m in range(stripes.n)), length)
-  before_dispatch({d: cap.nbytes(d) for d in ring.order})
-  slot = ({} if on_host and not protect else
-          {(p.leaf, p.index, d): n for d, ps in cap.pieces.items()
-           for n, (p, _) in enumerate(ps)})
-  for i, arr, plan in planned:  # off CPU
-    on_device = checksum is ChecksumKind.DEVICE_SUM
+  return planned, protect
+
+
+def _plan_parity(cap: PinnedCapture, ring: _Ring, stripes: _parity.Stripes,
+                 protect: list[tuple[int, jax.Array]]) -> int:
+  """A slot for each parity block in its device's domain; returns the
+  stripes' padded length."""
+  layouts, length = _parity.layout(stripes, [i for i, _ in protect],
+                                   [a for _, a in protect])
+  for (s, j), device in np.ndenumerate(stripes.grid):
+    d = ring.domain(device)
+    key = (stripes.stripe_id(s), j)
+    cap.pieces[d].append((Piece(_parity.PARITY_LEAF, (key,), length // stripes.k), d))
+    cap.arrays[d].append(None)
+    cap.parity[key] = (tuple(ring.domain(x) for x in stripes.grid[s]),
+                       tuple(layouts[s * stripes.n + m] for m in range(stripes.n)), length)
+  return length
+
+
+def _dispatch_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], planned: _Planned,
+                     ring: _Ring, slot: dict[tuple[int, Index, int], int],
+                     chunk_bytes: int) -> None:
+  """Off CPU: the pinned copies of the planned leaves, and a checksum of
+  each piece (on device, or of its host copy)."""
+  on_device = cap.checksum is ChecksumKind.DEVICE_SUM
+  for i, arr, plan in planned:
     sums = shard_checksums(arr) if on_device else None
     per_shard = (_fetched_once(sums[0]), sums[1]) if sums is not None else None
     for (index, d), copy in plan.dispatch(arr, ring).items():
@@ -205,18 +240,23 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       cap.sums[(i, index)] = (_pending_sum(src, per_shard) if on_device
                               else _host_sum(cap, d, slot[(i, index, d)], chunk_bytes,
                                              piece_key(specs[i].path, index)))
-  if protect and stripes is not None:
-    out = _parity.encode(stripes, [a for _, a in protect], length)
-    _faults.point("replica", step)
-    for shard in out.addressable_shards:  # each block to its own device's host RAM
-      s, j = stripes.where[shard.device]
-      d, index = ring.domain(shard.device), ((stripes.stripe_id(s), j),)
-      at = slot[(_parity.PARITY_LEAF, index, d)]
-      cap.arrays[d][at] = jax.device_put(shard.data, _pinned_on(shard.device))
-      cap.sums[(_parity.PARITY_LEAF, index)] = (
-          _pending_sum(shard.data, None) if checksum is ChecksumKind.DEVICE_SUM
-          else _host_sum(cap, d, at, chunk_bytes, piece_key(_parity.PARITY_PATH, index)))
-  return cap
+
+
+def _dispatch_parity(cap: PinnedCapture, ring: _Ring, stripes: _parity.Stripes,
+                     protect: list[tuple[int, jax.Array]], length: int,
+                     slot: dict[tuple[int, Index, int], int], *, step: int,
+                     chunk_bytes: int) -> None:
+  """The parity blocks, encoded on device, each to its own device's host RAM."""
+  out = _parity.encode(stripes, [a for _, a in protect], length)
+  _faults.point("replica", step)
+  for shard in out.addressable_shards:
+    s, j = stripes.where[shard.device]
+    d, index = ring.domain(shard.device), ((stripes.stripe_id(s), j),)
+    at = slot[(_parity.PARITY_LEAF, index, d)]
+    cap.arrays[d][at] = jax.device_put(shard.data, _pinned_on(shard.device))
+    cap.sums[(_parity.PARITY_LEAF, index)] = (
+        _pending_sum(shard.data, None) if cap.checksum is ChecksumKind.DEVICE_SUM
+        else _host_sum(cap, d, at, chunk_bytes, piece_key(_parity.PARITY_PATH, index)))
 
 
 def _known(checksum: Checksum) -> Callable[[], Checksum]:
