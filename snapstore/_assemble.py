@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _jax_private
 from ._arena import ArenaCache, host_arena
 from ._checksum import SMALL_BYTES, aligned_empty
 from ._index import Index, align, full, normalize, overlaps, shape_of, volume
@@ -452,15 +453,10 @@ def _place_host(spec: LeafSpec, sharding: jax.sharding.Sharding,
   the host buffer beside it: JAX's own batched put, which
   ``make_array_from_callback`` ends in, without its per-shard Python, where
   this JAX has it; else ``make_array_from_callback``."""
-  try:
-    from jax._src import core
-    from jax._src.interpreters.pxla import batched_device_put
-  except ImportError:
-    by_index = {idx: buf for (_, idx), buf in zip(wanted, bufs, strict=True)}
-    return jax.make_array_from_callback(
-        spec.shape, sharding, lambda idx: by_index[normalize(idx, spec.shape)])
-  aval = core.ShapedArray(tuple(spec.shape), bufs[0].dtype if bufs else spec.np_dtype)
-  with_sharding = getattr(core, "update_aval_with_sharding", None)
-  if with_sharding is not None:
-    aval = with_sharding(aval, sharding)
-  return batched_device_put(aval, sharding, list(bufs), [d for d, _ in wanted])
+  placed = _jax_private.batched_put(spec.shape, bufs[0].dtype if bufs else spec.np_dtype,
+                                    sharding, bufs, [d for d, _ in wanted])
+  if placed is not None:
+    return placed
+  by_index = {idx: buf for (_, idx), buf in zip(wanted, bufs, strict=True)}
+  return jax.make_array_from_callback(
+      spec.shape, sharding, lambda idx: by_index[normalize(idx, spec.shape)])

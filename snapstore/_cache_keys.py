@@ -29,12 +29,13 @@ from typing import Any
 
 import jax
 
+from . import _jax_private
+
 
 def share() -> None:
   """Patches JAX's cache key (idempotent); call before compiling."""
-  try:
-    from jax._src import cache_key
-  except ImportError:
+  cache_key = _jax_private.cache_key_module()
+  if cache_key is None:
     return
   hash_options = getattr(cache_key, "_hash_serialized_compile_options", None)
   if (hash_options is not None and not hasattr(hash_options, "snapstore")

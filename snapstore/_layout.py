@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _index, errors
+from . import _index, _jax_private, errors
 from ._index import Index
 
 SCALAR_TYPES = (bool, int, float, str)
@@ -335,8 +335,8 @@ def _shards(arr: jax.Array) -> list[jax.Array] | None:
   shard is a noticeable share of a many-leaf save on the caller's thread);
   None where this JAX has no such list, or the array was deleted (the
   per-shard calls then say so)."""
-  shards = getattr(arr, "_arrays", None)
-  if type(shards) is not list or arr.is_deleted():
+  shards = _jax_private.single_device_arrays(arr)
+  if shards is None or arr.is_deleted():
     return None
   return shards
 

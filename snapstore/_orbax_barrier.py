@@ -53,7 +53,7 @@ from typing import Any
 
 import jax
 
-from . import _abort, _group
+from . import _abort, _group, _jax_private
 
 NAMESPACE = "snapstore/orbax"
 SLICE_MS = 1000  # how often a waiting process checks the membership
@@ -69,8 +69,7 @@ class Abandoned(RuntimeError):
 
 
 def _client() -> Any:
-  from jax._src import distributed
-  client = distributed.global_state.client
+  client = _jax_private.client()
   if client is None:
     raise RuntimeError("the Orbax barrier needs jax.distributed (snapstore.recovery)")
   return client

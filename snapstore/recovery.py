@@ -62,7 +62,7 @@ from typing import Any
 
 import jax
 
-from . import _abort, _cache_keys, _group, _orbax_barrier, _reports, errors
+from . import _abort, _cache_keys, _group, _jax_private, _orbax_barrier, _reports, errors
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ RESTART_EXIT_CODE = _reports.RESTART_EXIT_CODE  # "restart the whole job", for l
 SERVICE_ENV = "SNAPSTORE_SERVICE"  # "external": the supervisor hosts the service
 COLLECTIVE_TIMEOUT_ENV = "SNAPSTORE_COLLECTIVE_TIMEOUT_S"  # initialize()'s default
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30
-TESTED_JAX = ((0, 10), (0, 12))  # the jax versions whose private APIs this uses
+TESTED_JAX = _jax_private.TESTED_JAX  # the jax versions whose private APIs this uses
 _ORDERS = "snapstore/orders"  # in the coordination service: every order used
 _FAILED = "snapstore/failed"  # membership/block -> the process whose step failed
 _LEFT = "snapstore/left"  # processes that reached close() and disconnected
@@ -130,17 +130,15 @@ class MembersMissing(errors.SnapstoreError, RuntimeError):
 def unsupported() -> str | None:
   """Why in-place recovery cannot run with this JAX, or None if it can."""
   try:
-    from jax._src import distributed
-    from jax._src.lib import _jax
+    state, runtime = _jax_private.distributed_state(), _jax_private.runtime()
     from jax.experimental.multihost_utils import live_devices
   except ImportError as e:
     return f"jax {jax.__version__} lacks what in-place recovery needs ({e})"
-  version = tuple(int(p) for p in jax.__version__.split(".")[:2])
-  if not TESTED_JAX[0] <= version <= TESTED_JAX[1]:
-    return (f"jax {jax.__version__} is outside the versions in-place recovery was "
-            f"tested with ({TESTED_JAX[0]} to {TESTED_JAX[1]})")
-  needed = [(distributed.global_state, "client"), (_jax, "get_distributed_runtime_client"),
-            (_jax, "get_distributed_runtime_service"), (live_devices, "devices")]
+  untested = _jax_private.version_tested()
+  if untested is not None:
+    return untested
+  needed = [(state, "client"), (runtime, "get_distributed_runtime_client"),
+            (runtime, "get_distributed_runtime_service"), (live_devices, "devices")]
   missing = [name for obj, name in needed if not hasattr(obj, name)]
   return f"jax {jax.__version__} lacks {missing}" if missing else None
 
@@ -149,8 +147,7 @@ def start_service(bind_address: str, num_processes: int, *,
                   heartbeat_timeout_s: int = 3) -> Any:
   """The JAX coordination service, recoverable, hosted by the caller (the
   supervisor). Keep the returned object alive; ``.shutdown()`` ends it."""
-  from jax._src.lib import _jax
-  return _jax.get_distributed_runtime_service(
+  return _jax_private.runtime().get_distributed_runtime_service(
       bind_address, num_processes, heartbeat_timeout=heartbeat_timeout_s,
       shutdown_timeout=10, recoverable=True)
 
@@ -213,14 +210,12 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
                                coordinator_bind_address=bind_address)
     return
-  from jax._src import distributed
-  from jax._src.lib import _jax
-  state = distributed.global_state
+  state = _jax_private.distributed_state()
   if state.client is not None:
     raise RuntimeError("jax.distributed is already initialized")
   state.coordinator_address = coordinator_address
   state.process_id, state.num_processes = process_id, num_processes
-  state.client = _jax.get_distributed_runtime_client(
+  state.client = _jax_private.runtime().get_distributed_runtime_client(
       coordinator_address, process_id, init_timeout=300, use_compression=True,
       heartbeat_timeout=heartbeat_timeout_s)
   state.client.connect()
@@ -374,9 +369,8 @@ class InPlace:
   def __init__(self, *, max_failures: int = 3, wait_timeout_s: float = 120.0,
                poll_s: float = 0.05, abort_after_s: float | None = DEFAULT_ABORT_AFTER_S,
                min_hosts: int | None = None, replacement_wait_s: float | None = None):
-    from jax._src import distributed
     from jax.experimental.multihost_utils import ProcessFailureError, live_devices
-    client = distributed.global_state.client
+    client = _jax_private.client()
     if client is None:
       raise RuntimeError("join the job first (snapstore.recovery.initialize)")
     self._client = client
@@ -591,7 +585,6 @@ class InPlace:
     unless the supervisor hosts it) could exit while others still talk to it,
     and they would abort. Raises ``TimeoutError`` naming the processes that
     did not reach it in ``timeout_s``."""
-    from jax._src import distributed
     if self.watchdog is not None:
       self.watchdog.stop()
     with contextlib.suppress(Exception):  # (only to name the late ones)
@@ -607,7 +600,7 @@ class InPlace:
       raise TimeoutError(f"close(): process(es) {self._absent(_DONE)} did not reach the end "
                          f"of the job in {timeout_s:.0f} s (close(timeout_s=...)): "
                          f"{e}") from e
-    if distributed.global_state.service is None:  # the service is elsewhere
+    if _jax_private.distributed_state().service is None:  # the service is elsewhere
       self._client.key_value_set(f"{_LEFT}/{jax.process_index()}", "1")
       jax.distributed.shutdown()
       return
@@ -680,8 +673,7 @@ def _restart(why: str) -> RestartRequired:
 
 
 def _service_ports() -> set[int]:
-  from jax._src import distributed
-  port = (distributed.global_state.coordinator_address or "").rsplit(":", 1)[-1]
+  port = (_jax_private.distributed_state().coordinator_address or "").rsplit(":", 1)[-1]
   return {int(port)} if port.isdigit() else set()
 
 

@@ -4,6 +4,7 @@ that never imports the harness that drives it."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -41,4 +42,15 @@ def test_the_engine_never_imports_the_harness():
                [f"{node.module or ''}.{a.name}" for a in node.names]
                if isinstance(node, ast.ImportFrom) else [])
       found += [f"{rel}:{node.lineno} {n}" for n in names if "launch" in n.split(".")]
+  assert found == [], found
+
+
+def test_private_jax_is_reached_only_through_one_module():
+  """``jax._src``, ``jax.Array._arrays`` and JAX's batched put appear only
+  in ``snapstore/_jax_private.py``, behind its version check."""
+  pattern = re.compile(r"jax\._src|\._arrays\b|\"_arrays\"|batched_device_put")
+  found = [f"{path.relative_to(ROOT)}:{n}" for path in _modules("snapstore")
+           if path.name != "_jax_private.py"
+           for n, line in enumerate(path.read_text().splitlines(), 1)
+           if pattern.search(line)]
   assert found == [], found
