@@ -1,10 +1,11 @@
 """SnapshotManager: orchestration only.
 
-The manager decides *when* (interval, busy policy, persistent interval),
-*which incarnation* writes, and *what to restore* (the decision loop). Where
-snapshots live is a backend's business (:mod:`._backends`, chosen once here);
-who takes part in a restore is the job's (:mod:`._peers`); building leaves
-from pieces is the assembler's (:mod:`._assemble`).
+The manager decides *when* (interval, busy policy, persistent interval)
+and *which incarnation* writes, and starts each restore. Where snapshots
+live is a backend's business (:mod:`._backends`, chosen once here); what to
+restore, one attempt after another, is :mod:`._restore`'s; who takes part
+in a restore is the job's (:mod:`._peers`); building leaves from pieces is
+the assembler's (:mod:`._assemble`).
 """
 
 from __future__ import annotations
@@ -28,15 +29,15 @@ from . import (
     _peers,
     _planner,
     _reports,
+    _restore,
     _switch,
     errors,
 )
 from ._arena import ArenaCache
-from ._assemble import Assembler
-from ._layout import LeafSpec, check_compatible, check_targets, flatten, tree_digest
-from ._manifest import check_extra, copy_extra
+from ._layout import LeafSpec, flatten, tree_digest
+from ._manifest import check_extra
 from ._persistent import OrbaxTier
-from .metrics import RestoreResult, SaveMetrics, Source
+from .metrics import RestoreResult, SaveMetrics
 from .options import MAX_INT, BusyPolicy, FailurePolicy, SnapshotOptions
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,6 @@ class SnapshotManager:
     self.metrics.interval, self.metrics.interval_reason = (self.schedule.interval,
                                                            self.schedule.reason)
     self._closed = False
-    self._faulting_at_start = 0.0  # _arena.faulting_seconds() when a restore began
 
   # ------------------------------------------------------------------ save
   def save(self, step: int, state: Any, *, extra: Any = None,
@@ -331,174 +331,8 @@ class SnapshotManager:
     self._check_open()
     if step is not None and (type(step) is not int or not 0 <= step <= MAX_INT):
       raise TypeError(f"step must be an int in [0, 2**48] or None, got {step!r}")
-    self._lineage_step = None  # a restore starts a new lineage (_report sets its step)
-    notes = self._settle_inflight()
-    self._faulting_at_start = _arena.faulting_seconds()
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
-    target_specs, targets, treedef = flatten(abstract_state)
-    check_targets(target_specs, targets)
-    local = self.backend.manifests()
-    t = time.perf_counter()
-    persistent_steps = [s for s in (self.persistent.committed_steps() if self.persistent
-                                    else []) if step is None or s == step]
-    timings["scan_persistent"] = time.perf_counter() - t
-    values = (max([self._newest_step] + [m.step for m in local]), self.incarnation,
-              -(persistent_steps[-1] if persistent_steps else -1))
-    exchange = ""
-    if isinstance(self._peers, _peers.Distributed):
-      sparse = self._restore_sparse(self._peers, local, target_specs, targets, treedef, step,
-                                    persistent_steps, values, notes, timings, t0)
-      if isinstance(sparse, RestoreResult):
-        return sparse
-      exchange = f"full: {sparse}"
-      notes.append(f"every host's manifests are exchanged: {sparse}")
-      logger.info(notes[-1])
-    t = time.perf_counter()
-    # Every store's manifests; with them, in the same exchange, one
-    # incarnation for everyone from here (a replacement that joined a
-    # running job may not know the one the others reached), the newest step
-    # any process saw, and one view of the persistent tier (the oldest
-    # newest-commit: commits only grow), so every process picks the same
-    # source.
-    manifests, (newest, self.incarnation, neg_latest) = self._peers.gather_manifests(
-        local, values)
-    persistent_steps = [s for s in persistent_steps if s <= -neg_latest]
-    timings["scan_exchange"] = time.perf_counter() - t
-    timings["scan"] = time.perf_counter() - t0
-    # A restore of many leaves makes tens of thousands of objects, and the
-    # arrays it returns outlive young collections, so full collections would
-    # run during it (``benchmarks.capture`` counts them). Paused as a save
-    # is (``pause_gc``).
-    with _switch.collections_paused(self.options.pause_gc):
-      found, manifests, why = self._restore_snapshot(
-          manifests, step, target_specs, targets, treedef, persistent_steps, newest, notes,
-          timings, t0, exchange)
-    if found is not None:
-      return found
-    notes.extend(why[:1])  # why the freshest snapshot step was not usable
-    result = self._restore_persistent(step, persistent_steps, target_specs, targets,
-                                      treedef, newest, notes, timings, t0, exchange)
-    self._branch_from(result.step, manifests)
-    return result
-
-  def _restore_snapshot(self, manifests: Any, step: int | None, target_specs: list[LeafSpec],
-                        targets: list[Any], treedef: Any, persistent_steps: list[int],
-                        newest: int, notes: list[str], timings: dict[str, float], t0: float,
-                        exchange: str) -> tuple[RestoreResult | None, Any, list[str]]:
-    """The freshest snapshot step the stores hold whole, read and placed:
-    each bad copy found is noted and another copy or an older step tried.
-    Returns (the result or None, the manifests left, why the freshest step
-    was not usable); None where none is, or the persistent tier is newer."""
-    bad: set[_planner.CopyKey] = set()
-    while True:
-      t = time.perf_counter()
-      reasons: list[str] = []
-      plan = _planner.choose(manifests, step=step, bad=bad, prefer_store=self.host,
-                             reasons=reasons)
-      timings["plan"] = timings.get("plan", 0.0) + time.perf_counter() - t
-      if plan is None or (persistent_steps and persistent_steps[-1] > plan.step):
-        return None, manifests, reasons
-      check_compatible(plan.specs, target_specs, step=plan.step)
-      t = time.perf_counter()
-      assembler = Assembler(plan, self.backend, arenas=self._arenas)
-      got = self._peers.assemble(assembler, target_specs, targets)
-      for key, why in got.bad.items():  # one note per bad copy found
-        if key not in assembler.bad or assembler.bad[key].lost_store is None:
-          notes.append(f"step {plan.step}: {why}; using another copy or an older step")
-          logger.warning(notes[-1])
-      bad.update(got.bad)
-      manifests = self._forget_unreadable(assembler, manifests, notes)
-      if got.leaves is None:
-        continue
-      timings["read"] = time.perf_counter() - t
-      timings.update(got.timings)
-      timings["total"] = time.perf_counter() - t0
-      read = {"snapshot": assembler.bytes_read}
-      if self._peers.multi_host:
-        read["exchanged"] = got.bytes_exchanged
-      if assembler.bytes_rebuilt:
-        read["rebuilt"] = assembler.bytes_rebuilt
-      result = self._report(RestoreResult(
-          step=plan.step, state=jax.tree_util.tree_unflatten(treedef, got.leaves),
-          extra=copy_extra(plan.extra), source=Source.SNAPSHOT, rewind_steps=newest - plan.step,
-          newest_step=newest, bytes_read=read, timings=timings, notes=tuple(notes),
-          exchange=exchange))
-      self._branch_from(result.step, manifests)
-      return result, manifests, reasons
-
-  def _restore_sparse(self, peers: _peers.Distributed, local: Sequence[Any],
-                      target_specs: list[LeafSpec],
-                      targets: list[Any], treedef: Any, step: int | None,
-                      persistent_steps: list[int], values: tuple[int, int, int],
-                      notes: list[str], timings: dict[str, float], t0: float
-                      ) -> RestoreResult | str:
-    """A multi-host restore from each host's own metadata
-    (:meth:`._peers.Distributed.restore`); or why every host's manifests
-    must be exchanged instead."""
-    with _switch.collections_paused(self.options.pause_gc):
-      got = peers.restore(self.backend, self._arenas, local, target_specs, targets,
-                          step=step, values=values, persistent_steps=persistent_steps)
-    self.incarnation = got.incarnation
-    timings.update(got.timings)
-    timings["scan"] = timings["scan_persistent"] + timings["scan_exchange"]
-    notes.extend(got.notes)
-    if got.fallback is not None:
-      return got.fallback
-    persistent_steps = [s for s in persistent_steps if s <= got.persistent_latest]
-    if got.plan is not None and got.leaves is not None:
-      plan = got.plan
-      timings["read"] = sum(timings.get(k, 0.0) for k in ("read_verify", "read_agree",
-                                                          "read_place"))
-      timings["total"] = time.perf_counter() - t0
-      read = dict(got.read, exchanged=got.read["received"] + got.read["sent"])
-      result = self._report(RestoreResult(
-          step=plan.step, state=jax.tree_util.tree_unflatten(treedef, got.leaves),
-          extra=copy_extra(plan.extra), source=Source.SNAPSHOT,
-          rewind_steps=got.newest - plan.step, newest_step=got.newest, bytes_read=read,
-          timings=timings, notes=tuple(notes), exchange="sparse"))
-    else:
-      notes.extend(got.reasons[:1])  # why the freshest snapshot step was not usable
-      result = self._restore_persistent(step, persistent_steps, target_specs, targets,
-                                        treedef, got.newest, notes, timings, t0, "sparse")
-    new = peers.branch(local, result.step, self.incarnation)
-    if new != self.incarnation:
-      logger.info("restored step %d: saves continue as incarnation %d (a new branch)",
-                  result.step, new)
-      self.incarnation = new
-    return result
-
-  def _forget_unreadable(self, assembler: Assembler, manifests: list[Any],
-                         notes: list[str]) -> list[Any]:
-    """Single controller: a store whose memory raised DATA_LOSS on read
-    (its slice's memory is gone, as Pathways says it) is a lost domain:
-    what it held is forgotten and the next plan uses the others only. The
-    domain stays active if it was: whether it is up is the elastic
-    manager's to say, and a later snapshot writes to it again. The
-    manifests left to plan from."""
-    lost = sorted(assembler.lost_stores)
-    if not lost or self._peers.multi_host:
-      return manifests
-    why = next(str(e) for e in assembler.bad.values() if e.lost_store == lost[0])
-    notes.append(f"step {assembler.plan.step}: the stores of domains {lost} raised on read "
-                 f"({why}): treated as lost; planning from the others")
-    logger.warning(notes[-1])
-    live = getattr(self.backend, "live", None)
-    active = live() if live is not None else None
-    self.forget_domains(lost, "its store raised on read")
-    if active is not None:
-      self.backend.set_active_domains(active)
-    return self.backend.manifests()
-
-  def _branch_from(self, step: int, manifests: Sequence[Any]) -> None:
-    """Restoring ``step`` when this incarnation already saved later steps
-    starts a new branch: later saves take a new incarnation, which fences
-    the abandoned steps (:func:`._planner.fence`). Every host decides the
-    same (same gathered manifests)."""
-    if any(m.incarnation == self.incarnation and m.step > step for m in manifests):
-      self.incarnation = max(m.incarnation for m in manifests) + 1
-      logger.info("restored step %d: saves continue as incarnation %d (a new branch)",
-                  step, self.incarnation)
+    self._lineage_step = None  # a restore starts a new lineage (the result sets its step)
+    return _restore.Restore(self, abstract_state, step, self._settle_inflight()).run()
 
   def _settle_inflight(self) -> list[str]:
     """Waits for the snapshot in flight; a failed one is noted, not raised."""
@@ -508,40 +342,6 @@ class SnapshotManager:
       logger.warning("the snapshot in flight was not completed and is not used: %s", e)
       return [f"the snapshot in flight was not completed and is not used: {e}"]
     return []
-
-  def _restore_persistent(self, step: int | None, persistent_steps: list[int],
-                          target_specs: list[LeafSpec], targets: list[Any], treedef: Any,
-                          newest: int, notes: list[str], timings: dict[str, float],
-                          t0: float, exchange: str = "") -> RestoreResult:
-    if not persistent_steps or self.persistent is None:
-      where = self.persistent.directory if self.persistent else "no persistent tier"
-      what = f"step {step}" if step is not None else "any step"
-      seen = f" What the restore found: {'; '.join(notes[-3:])}." if notes else ""
-      raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(
-          f"no complete snapshot of {what} in {self.backend.describe()} and no committed "
-          f"checkpoint in {where}.{seen} Nothing was deleted; start a new run, or "
-          "point store_dir/run_id/persistent at the run to resume.")
-    pstep = persistent_steps[-1]
-    notes.append(f"no complete snapshot at or after step {pstep}; "
-                 "restoring from the persistent tier")
-    logger.info(notes[-1])
-    t = time.perf_counter()
-    check_compatible(self.persistent.saved_specs(pstep), target_specs, step=pstep)
-    before = self.persistent.bytes_read
-    leaves, extra = self.persistent.restore(pstep, target_specs, targets)
-    timings["read"] = time.perf_counter() - t
-    timings["total"] = time.perf_counter() - t0
-    return self._report(RestoreResult(
-        step=pstep, state=jax.tree_util.tree_unflatten(treedef, leaves), extra=extra,
-        source=Source.PERSISTENT, rewind_steps=max(newest, pstep) - pstep,
-        newest_step=max(newest, pstep),
-        bytes_read={"persistent": self.persistent.bytes_read - before},
-        timings=timings, notes=tuple(notes), exchange=exchange))
-
-  def _report(self, result: RestoreResult) -> RestoreResult:
-    result.timings["first_touch"] = _arena.faulting_seconds() - self._faulting_at_start
-    self._lineage_step = result.step
-    return result
 
   # ------------------------------------------------------------ lifecycle
   def _check_open(self) -> None:

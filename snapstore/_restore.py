@@ -1,0 +1,242 @@
+"""One restore: from the freshest snapshot the stores hold whole, down to
+the persistent tier.
+
+:class:`Restore` is one ``SnapshotManager.restore`` call: its target, the
+notes and timings it reports, and one method per attempt, in order:
+
+1. ``_sparse`` (multi-controller jobs): each host plans from its own
+   metadata and the few facts the hosts agree on (:mod:`._peers`); it may
+   decline, naming why, and the full exchange follows;
+2. ``_snapshot``: every store's manifests, the freshest complete step
+   read and placed; a bad copy is noted and another copy, else an older
+   step, is tried;
+3. ``_persistent``: the newest committed Orbax step, or an error that says
+   what was found and that nothing was deleted.
+
+The manager keeps what outlives a call (its stores, peers, incarnation);
+this module reads and updates them through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from . import _arena, _peers, _planner, _switch, errors
+from ._assemble import Assembler
+from ._layout import check_compatible, check_targets, flatten
+from ._manifest import copy_extra
+from .metrics import RestoreResult, Source
+
+if TYPE_CHECKING:
+  from ._manager import SnapshotManager
+
+logger = logging.getLogger(__name__)
+
+
+class Restore:
+  """One restore of ``abstract_state``'s layout (``step``: that step only)."""
+
+  def __init__(self, mgr: SnapshotManager, abstract_state: Any, step: int | None,
+               notes: list[str]) -> None:
+    self.mgr, self.step, self.notes = mgr, step, notes
+    self.faulting_at_start = _arena.faulting_seconds()
+    self.t0 = time.perf_counter()
+    self.timings: dict[str, float] = {}
+    self.target_specs, self.targets, self.treedef = flatten(abstract_state)
+    check_targets(self.target_specs, self.targets)
+    self.exchange = ""  # how the hosts' metadata met ("sparse", "full: why")
+
+  @contextlib.contextmanager
+  def _timed(self, key: str, *, add: bool = False) -> Iterator[None]:
+    """Sets ``timings[key]`` to the block's seconds (``add``: adds them)."""
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.timings[key] = (self.timings.get(key, 0.0) if add else 0.0) + (
+          time.perf_counter() - t)
+
+  def run(self) -> RestoreResult:
+    mgr, step = self.mgr, self.step
+    local = mgr.backend.manifests()
+    with self._timed("scan_persistent"):
+      persistent_steps = [s for s in (mgr.persistent.committed_steps() if mgr.persistent
+                                      else []) if step is None or s == step]
+    values = (max([mgr._newest_step] + [m.step for m in local]), mgr.incarnation,
+              -(persistent_steps[-1] if persistent_steps else -1))
+    if isinstance(mgr._peers, _peers.Distributed):
+      sparse = self._sparse(mgr._peers, local, persistent_steps, values)
+      if isinstance(sparse, RestoreResult):
+        return sparse
+      self.exchange = f"full: {sparse}"
+      self.notes.append(f"every host's manifests are exchanged: {sparse}")
+      logger.info(self.notes[-1])
+    with self._timed("scan_exchange"):
+      # Every store's manifests; with them, in the same exchange, one
+      # incarnation for everyone from here (a replacement that joined a
+      # running job may not know the one the others reached), the newest step
+      # any process saw, and one view of the persistent tier (the oldest
+      # newest-commit: commits only grow), so every process picks the same
+      # source.
+      manifests, (newest, mgr.incarnation, neg_latest) = mgr._peers.gather_manifests(
+          local, values)
+      persistent_steps = [s for s in persistent_steps if s <= -neg_latest]
+    self.timings["scan"] = time.perf_counter() - self.t0
+    # A restore of many leaves makes tens of thousands of objects, and the
+    # arrays it returns outlive young collections, so full collections would
+    # run during it (``benchmarks.capture`` counts them). Paused as a save
+    # is (``pause_gc``).
+    with _switch.collections_paused(mgr.options.pause_gc):
+      found, manifests, why = self._snapshot(manifests, persistent_steps, newest)
+    if found is not None:
+      return found
+    self.notes.extend(why[:1])  # why the freshest snapshot step was not usable
+    result = self._persistent(persistent_steps, newest)
+    self._branch_from(result.step, manifests)
+    return result
+
+  def _sparse(self, peers: _peers.Distributed, local: Sequence[Any],
+              persistent_steps: list[int], values: tuple[int, int, int]
+              ) -> RestoreResult | str:
+    """A multi-host restore from each host's own metadata
+    (:meth:`._peers.Distributed.restore`); or why every host's manifests
+    must be exchanged instead."""
+    mgr = self.mgr
+    with _switch.collections_paused(mgr.options.pause_gc):
+      got = peers.restore(mgr.backend, mgr._arenas, local, self.target_specs, self.targets,
+                          step=self.step, values=values, persistent_steps=persistent_steps)
+    mgr.incarnation = got.incarnation
+    self.timings.update(got.timings)
+    self.timings["scan"] = self.timings["scan_persistent"] + self.timings["scan_exchange"]
+    self.notes.extend(got.notes)
+    if got.fallback is not None:
+      return got.fallback
+    self.exchange = "sparse"
+    persistent_steps = [s for s in persistent_steps if s <= got.persistent_latest]
+    if got.plan is not None and got.leaves is not None:
+      self.timings["read"] = sum(self.timings.get(k, 0.0)
+                                 for k in ("read_verify", "read_agree", "read_place"))
+      result = self._result(got.plan.step, got.leaves, copy_extra(got.plan.extra),
+                            Source.SNAPSHOT, got.newest,
+                            dict(got.read, exchanged=got.read["received"] + got.read["sent"]))
+    else:
+      self.notes.extend(got.reasons[:1])  # why the freshest snapshot step was not usable
+      result = self._persistent(persistent_steps, got.newest)
+    new = peers.branch(local, result.step, mgr.incarnation)
+    if new != mgr.incarnation:
+      logger.info("restored step %d: saves continue as incarnation %d (a new branch)",
+                  result.step, new)
+      mgr.incarnation = new
+    return result
+
+  def _snapshot(self, manifests: Any, persistent_steps: list[int], newest: int
+                ) -> tuple[RestoreResult | None, Any, list[str]]:
+    """The freshest snapshot step the stores hold whole, read and placed:
+    each bad copy found is noted and another copy or an older step tried.
+    Returns (the result or None, the manifests left, why the freshest step
+    was not usable); None where none is, or the persistent tier is newer."""
+    mgr = self.mgr
+    bad: set[_planner.CopyKey] = set()
+    while True:
+      reasons: list[str] = []
+      with self._timed("plan", add=True):
+        plan = _planner.choose(manifests, step=self.step, bad=bad, prefer_store=mgr.host,
+                               reasons=reasons)
+      if plan is None or (persistent_steps and persistent_steps[-1] > plan.step):
+        return None, manifests, reasons
+      check_compatible(plan.specs, self.target_specs, step=plan.step)
+      t = time.perf_counter()
+      assembler = Assembler(plan, mgr.backend, arenas=mgr._arenas)
+      got = mgr._peers.assemble(assembler, self.target_specs, self.targets)
+      for key, why in got.bad.items():  # one note per bad copy found
+        if key not in assembler.bad or assembler.bad[key].lost_store is None:
+          self.notes.append(f"step {plan.step}: {why}; using another copy or an older step")
+          logger.warning(self.notes[-1])
+      bad.update(got.bad)
+      manifests = self._forget_unreadable(assembler, manifests)
+      if got.leaves is None:
+        continue
+      self.timings["read"] = time.perf_counter() - t
+      self.timings.update(got.timings)
+      read = {"snapshot": assembler.bytes_read}
+      if mgr._peers.multi_host:
+        read["exchanged"] = got.bytes_exchanged
+      if assembler.bytes_rebuilt:
+        read["rebuilt"] = assembler.bytes_rebuilt
+      result = self._result(plan.step, got.leaves, copy_extra(plan.extra), Source.SNAPSHOT,
+                            newest, read)
+      self._branch_from(result.step, manifests)
+      return result, manifests, reasons
+
+  def _persistent(self, persistent_steps: list[int], newest: int) -> RestoreResult:
+    """The newest committed persistent step, or the error that says what the
+    restore found."""
+    mgr, step, notes = self.mgr, self.step, self.notes
+    if not persistent_steps or mgr.persistent is None:
+      where = mgr.persistent.directory if mgr.persistent else "no persistent tier"
+      what = f"step {step}" if step is not None else "any step"
+      seen = f" What the restore found: {'; '.join(notes[-3:])}." if notes else ""
+      raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(
+          f"no complete snapshot of {what} in {mgr.backend.describe()} and no committed "
+          f"checkpoint in {where}.{seen} Nothing was deleted; start a new run, or "
+          "point store_dir/run_id/persistent at the run to resume.")
+    pstep = persistent_steps[-1]
+    notes.append(f"no complete snapshot at or after step {pstep}; "
+                 "restoring from the persistent tier")
+    logger.info(notes[-1])
+    with self._timed("read"):
+      check_compatible(mgr.persistent.saved_specs(pstep), self.target_specs, step=pstep)
+      before = mgr.persistent.bytes_read
+      leaves, extra = mgr.persistent.restore(pstep, self.target_specs, self.targets)
+    return self._result(pstep, leaves, extra, Source.PERSISTENT, max(newest, pstep),
+                        {"persistent": mgr.persistent.bytes_read - before})
+
+  def _result(self, step: int, leaves: list[Any], extra: Any, source: Source, newest: int,
+              read: dict[str, int]) -> RestoreResult:
+    """The result of restoring ``step``; it starts the manager's lineage."""
+    self.timings["total"] = time.perf_counter() - self.t0
+    self.timings["first_touch"] = _arena.faulting_seconds() - self.faulting_at_start
+    self.mgr._lineage_step = step
+    return RestoreResult(
+        step=step, state=jax.tree_util.tree_unflatten(self.treedef, leaves), extra=extra,
+        source=source, rewind_steps=newest - step, newest_step=newest, bytes_read=read,
+        timings=self.timings, notes=tuple(self.notes), exchange=self.exchange)
+
+  def _forget_unreadable(self, assembler: Assembler, manifests: list[Any]) -> list[Any]:
+    """Single controller: a store whose memory raised DATA_LOSS on read
+    (its slice's memory is gone, as Pathways says it) is a lost domain:
+    what it held is forgotten and the next plan uses the others only. The
+    domain stays active if it was: whether it is up is the elastic
+    manager's to say, and a later snapshot writes to it again. The
+    manifests left to plan from."""
+    mgr = self.mgr
+    lost = sorted(assembler.lost_stores)
+    if not lost or mgr._peers.multi_host:
+      return manifests
+    why = next(str(e) for e in assembler.bad.values() if e.lost_store == lost[0])
+    self.notes.append(f"step {assembler.plan.step}: the stores of domains {lost} raised on "
+                      f"read ({why}): treated as lost; planning from the others")
+    logger.warning(self.notes[-1])
+    live = getattr(mgr.backend, "live", None)
+    active = live() if live is not None else None
+    mgr.forget_domains(lost, "its store raised on read")
+    if active is not None:
+      mgr.backend.set_active_domains(active)
+    return mgr.backend.manifests()
+
+  def _branch_from(self, step: int, manifests: Sequence[Any]) -> None:
+    """Restoring ``step`` when this incarnation already saved later steps
+    starts a new branch: later saves take a new incarnation, which fences
+    the abandoned steps (:func:`._planner.fence`). Every host decides the
+    same (same gathered manifests)."""
+    mgr = self.mgr
+    if any(m.incarnation == mgr.incarnation and m.step > step for m in manifests):
+      mgr.incarnation = max(m.incarnation for m in manifests) + 1
+      logger.info("restored step %d: saves continue as incarnation %d (a new branch)",
+                  step, mgr.incarnation)
