@@ -62,7 +62,7 @@ DEVICES, PER_SLICE = 8, 4
 def _flip_cross_copy(manager: Any, step: int) -> str:
   """Flips a byte of slice 0's copy of a piece that slice 1 owns, at
   ``step``; returns the leaf's path."""
-  store = manager.backend.stores[0]
+  store = manager._backend.stores[0]
   (m,) = [m for m in store.manifests() if m.step == step]
   p = next(p for p in m.pieces if p.owner == 1 and p.leaf >= 0 and p.nbytes >= 64)
   arr = store.array(m.slot, p.offset)
@@ -135,7 +135,7 @@ class Faults:
         flipped = _flip_cross_copy(manager, step)
       # Its hosts' memory is gone: what slice 1's store holds now raises
       # DATA_LOSS when read, as on Pathways (the hook must forget it).
-      store = manager.backend.stores[1]
+      store = manager._backend.stores[1]
       self.dead.update({id(a): a for arrays in store._slots.values() for a in arrays
                         if a is not None})
     with self._lock:

@@ -92,7 +92,7 @@ def main() -> int:
     step, state = job.step, job.state
     report.update(step_s_none=best["none"], step_s_snapshot=best["snap"],
                   step_ratio=best["snap"] / best["none"])
-    newest = mgr.backend.manifests()[-1]
+    newest = mgr._backend.manifests()[-1]
     mine = sum(p.nbytes for p in newest.pieces if p.owner != host)
     moved = int(np.asarray(multihost_utils.process_allgather(np.array([mine]))).sum())
     report["replica_bytes_per_step"] = moved

@@ -56,7 +56,7 @@ def main() -> int:
     mgr.save(job.step, job.state, force=True)
     mgr.wait_until_finished()
   for name, mgr in mgrs.items():  # RAM held, measured from each host's store
-    store = mgr.backend.stores[host]
+    store = mgr._backend.stores[host]
     newest = store.manifests()[-1]
     own = sum(p.nbytes for p in newest.pieces if p.owner == host)
     parity = sum(r.piece.nbytes for r in newest.parity)
@@ -75,7 +75,7 @@ def main() -> int:
   # The parity kept (a sum modulo 2**32 around a ring of permutes) against
   # the classic XOR on the same ring, and the sum as one psum_scatter.
   from snapstore import _group, _parity
-  st = mgrs["parity"].backend._stripes()
+  st = mgrs["parity"]._backend._stripes()
   arrays = list(job.state.values())
   _, length = _parity.layout(st, list(range(len(arrays))), arrays)
   for op in _parity.OPS:
@@ -100,7 +100,7 @@ def main() -> int:
               for k, v in job.state.items()}
   for name, mgr in mgrs.items():
     if host == 1:
-      mgr.backend.stores[1].wipe()
+      mgr._backend.stores[1].wipe()
     times = []
     for r in range(a.repeats):
       multihost_utils.sync_global_devices(f"restore-{name}-{r}")

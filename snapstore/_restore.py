@@ -64,7 +64,7 @@ class Restore:
 
   def run(self) -> RestoreResult:
     mgr, step = self.mgr, self.step
-    local = mgr.backend.manifests()
+    local = mgr._backend.manifests()
     with self._timed("scan_persistent"):
       persistent_steps = [s for s in (mgr.persistent.committed_steps() if mgr.persistent
                                       else []) if step is None or s == step]
@@ -109,7 +109,7 @@ class Restore:
     must be exchanged instead."""
     mgr = self.mgr
     with _switch.collections_paused(mgr.options.pause_gc):
-      got = peers.restore(mgr.backend, mgr._arenas, local, self.target_specs, self.targets,
+      got = peers.restore(mgr._backend, mgr._arenas, local, self.target_specs, self.targets,
                           step=self.step, values=values, persistent_steps=persistent_steps)
     mgr.incarnation = got.incarnation
     self.timings.update(got.timings)
@@ -152,7 +152,7 @@ class Restore:
         return None, manifests, reasons
       check_compatible(plan.specs, self.target_specs, step=plan.step)
       t = time.perf_counter()
-      assembler = Assembler(plan, mgr.backend, arenas=mgr._arenas)
+      assembler = Assembler(plan, mgr._backend, arenas=mgr._arenas)
       got = mgr._peers.assemble(assembler, self.target_specs, self.targets)
       for key, why in got.bad.items():  # one note per bad copy found
         if key not in assembler.bad or assembler.bad[key].lost_store is None:
@@ -183,7 +183,7 @@ class Restore:
       what = f"step {step}" if step is not None else "any step"
       seen = f" What the restore found: {'; '.join(notes[-3:])}." if notes else ""
       raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(
-          f"no complete snapshot of {what} in {mgr.backend.describe()} and no committed "
+          f"no complete snapshot of {what} in {mgr._backend.describe()} and no committed "
           f"checkpoint in {where}.{seen} Nothing was deleted; start a new run, or "
           "point store_dir/run_id/persistent at the run to resume.")
     pstep = persistent_steps[-1]
@@ -223,12 +223,12 @@ class Restore:
     self.notes.append(f"step {assembler.plan.step}: the stores of domains {lost} raised on "
                       f"read ({why}): treated as lost; planning from the others")
     logger.warning(self.notes[-1])
-    live = getattr(mgr.backend, "live", None)
+    live = getattr(mgr._backend, "live", None)
     active = live() if live is not None else None
     mgr.forget_domains(lost, "its store raised on read")
     if active is not None:
-      mgr.backend.set_active_domains(active)
-    return mgr.backend.manifests()
+      mgr._backend.set_active_domains(active)
+    return mgr._backend.manifests()
 
   def _branch_from(self, step: int, manifests: Sequence[Any]) -> None:
     """Restoring ``step`` when this incarnation already saved later steps

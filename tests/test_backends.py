@@ -46,7 +46,7 @@ class Kind:
   def flip_byte(self, mgr: SnapshotManager, store_id: int, step: int, leaf: str) -> None:
     """Flips a byte in the middle of store ``store_id``'s own copy of the
     first piece of ``leaf`` at ``step``."""
-    store = mgr.backend.stores[store_id]
+    store = mgr._backend.stores[store_id]
     (m,) = [m for m in store.manifests() if m.step == step]
     names = {i: s.path for i, s in enumerate(m.leaves)}
     p = next(p for p in m.pieces if names[p.leaf] == leaf and p.owner == store_id)
@@ -159,7 +159,7 @@ def test_a_committed_manifest_is_what_its_file_decodes_to(kind, store_dir):
   # A store keeps the manifest it commits instead of decoding its file again.
   with kind.manager(store_dir) as mgr:
     save_steps(mgr, [1, 2])
-    for store in mgr.backend.stores.values():
+    for store in mgr._backend.stores.values():
       kept = store.manifests()
       store._decoded.clear()
       assert [m.step for m in kept] == [1, 2]
@@ -182,7 +182,7 @@ def test_keep_holds_the_newest_and_a_too_small_budget_stores_nothing(kind, store
   with kind.manager(store_dir, keep=2) as mgr:
     save_steps(mgr, range(1, 6))
     assert mgr.snapshot_steps() == [4, 5]
-    assert all(len(st.manifests()) <= 2 for st in mgr.backend.stores.values())
+    assert all(len(st.manifests()) <= 2 for st in mgr._backend.stores.values())
     with pytest.raises(StepNotFoundError):
       mgr.restore(abstract(awkward_state(jax.devices(), 0)), step=3)
   with kind.manager(store_dir / "small", budget_bytes=64) as mgr:
@@ -195,12 +195,12 @@ def test_keep_holds_the_newest_and_a_too_small_budget_stores_nothing(kind, store
 def test_busy_policy_waits_or_skips_and_counts(kind, store_dir, policy):
   with kind.manager(store_dir, busy_policy=policy) as mgr:
     gate = threading.Event()
-    real_drain = mgr.backend.drain
+    real_drain = mgr._backend.drain
 
     def gated_drain(pending):
       gate.wait(60)
       return real_drain(pending)
-    mgr.backend.drain = gated_drain
+    mgr._backend.drain = gated_drain
     mgr.save(1, awkward_state(jax.devices(), 1))
     if policy is BusyPolicy.SKIP:
       assert not mgr.save(2, awkward_state(jax.devices(), 2))
@@ -220,8 +220,8 @@ def test_deleting_the_state_while_it_drains_keeps_the_snapshot(kind, store_dir):
   XLA abort the process instead)."""
   with kind.manager(store_dir) as mgr:
     gate = threading.Event()
-    real_drain = mgr.backend.drain
-    mgr.backend.drain = lambda pending: (gate.wait(60), real_drain(pending))[1]
+    real_drain = mgr._backend.drain
+    mgr._backend.drain = lambda pending: (gate.wait(60), real_drain(pending))[1]
     state = awkward_state(jax.devices(), 1)
     ref = host_copy(state)
     mgr.save(1, state)
@@ -306,7 +306,7 @@ def test_a_flipped_byte_in_the_middle_of_a_run_is_caught(kind, store_dir, monkey
   assert r.step == want
   assert_bitwise_equal(refs[want], r.state)
   assert any("step 2" in n and "m05" in n for n in r.notes), r.notes
-  if mgr.backend.runs:  # host files: pieces went in runs of several
+  if mgr._backend.runs:  # host files: pieces went in runs of several
     assert max(runs) > 4, runs
   else:
     assert not runs
@@ -323,12 +323,12 @@ def test_restore_timings_name_the_parts_of_its_read(kind, store_dir):
 def test_both_copies_bad_falls_back_to_an_older_step(sliced, store_dir):
   with sliced.manager(store_dir) as mgr:
     refs = save_steps(mgr, [1, 2])
-    m = next(m for m in mgr.backend.stores[0].manifests() if m.step == 2)
+    m = next(m for m in mgr._backend.stores[0].manifests() if m.step == 2)
     tp = next(i for i, s in enumerate(m.leaves) if s.path == "tp")
     index = next(p.index for p in m.pieces if p.leaf == tp and p.owner == 0)
     sliced.flip_byte(mgr, 0, 2, "tp")
     # the same piece's replica in domain 1
-    store1 = mgr.backend.stores[1]
+    store1 = mgr._backend.stores[1]
     m1 = next(m for m in store1.manifests() if m.step == 2)
     rec = next(p for p in m1.pieces if p.leaf == tp and p.index == index)
     _flip(sliced, store1, m1, rec)
@@ -354,26 +354,26 @@ def test_a_forgotten_domain_is_not_written_to(sliced, store_dir):
   with sliced.manager(store_dir) as mgr:
     save_steps(mgr, [1])
     mgr.forget_domains([1], "slice lost")
-    assert mgr.backend.stores[1].manifests() == []
+    assert mgr._backend.stores[1].manifests() == []
     with pytest.raises(ValueError, match="no slice that is up"):
       mgr.save(2, awkward_state(devs, 2))  # leaves on slice 1's devices
     refs = save_steps(mgr, [3], devices=devs[:4])
-    assert mgr.backend.stores[1].manifests() == []
+    assert mgr._backend.stores[1].manifests() == []
     if sliced.store is StoreKind.HOST_FILES:
-      assert list(mgr.backend.stores[1].root.iterdir()) == []  # not even progress
+      assert list(mgr._backend.stores[1].root.iterdir()) == []  # not even progress
     r = mgr.restore(abstract(awkward_state(devs[:4], 0)))
     assert r.step == 3
     assert_bitwise_equal(refs[3], r.state)
     mgr.set_active_domains([0, 1])
     save_steps(mgr, [4])
-    assert [m.step for m in mgr.backend.stores[1].manifests()] == [4]
+    assert [m.step for m in mgr._backend.stores[1].manifests()] == [4]
 
 
 def test_other_runs_and_older_incarnations_are_fenced(kind, store_dir):
   with kind.manager(store_dir, incarnation=5) as mgr:
     refs = save_steps(mgr, [1, 2])
-    sid = mgr.backend.store_ids()[0]
-    store = mgr.backend.stores[sid]
+    sid = mgr._backend.store_ids()[0]
+    store = mgr._backend.stores[sid]
     m2 = next(m for m in store.manifests() if m.step == 2)
     store.commit(dataclasses.replace(m2, run_id="another-run", step=8))
     store.commit(dataclasses.replace(m2, incarnation=4, step=9))
@@ -405,7 +405,7 @@ def test_replicas_every_other_snapshot_rewind_to_the_last_that_had_them(sliced, 
   devs = jax.devices()
   with sliced.manager(store_dir, replica_interval=2, keep=3) as mgr:
     refs = save_steps(mgr, [2, 3])
-    held = {m.step: len(m.pieces) for m in mgr.backend.stores[0].manifests()}
+    held = {m.step: len(m.pieces) for m in mgr._backend.stores[0].manifests()}
     assert held[2] > held[3]  # step 2 carries domain 1's pieces too
     mgr.forget_domains([1], "slice lost")
     r = mgr.restore(abstract(awkward_state(devs[:4], 0)))
@@ -422,7 +422,7 @@ def test_retention_keeps_the_snapshot_with_replicas_before_the_newest(sliced, st
   devs = jax.devices()
   with sliced.manager(store_dir, replica_interval=2, keep=2) as mgr:
     refs = save_steps(mgr, [2, 3, 4])
-    store = mgr.backend.stores[0]
+    store = mgr._backend.stores[0]
     assert sorted(m.step for m in store.manifests()) == [2, 4]
     four = next(m for m in store.manifests() if m.step == 4)
     store.delete(four, "test: its replicas never arrived")

@@ -46,7 +46,7 @@ def save_steps(mgr, steps, rows=16):
 
 
 def host_root(mgr):
-  (store,) = mgr.backend.stores.values()
+  (store,) = mgr._backend.stores.values()
   return store.root
 
 
@@ -143,7 +143,7 @@ def test_a_failed_drain_of_a_resized_state_loses_nothing(store_dir):
 
     def fail(pending):
       raise OSError("the RAM disk went away")
-    mgr.backend.drain = fail
+    mgr._backend.drain = fail
     mgr.save(2, state_at(2, rows=64))
     with pytest.raises(snapstore.DrainFailedError):
       mgr.wait_until_finished()
@@ -298,7 +298,7 @@ def test_truncating_a_slot_after_restore_cannot_crash_the_restored_state(store_d
         mgr.save(1, {{"w": jax.numpy.asarray(w)}})
         mgr.wait_until_finished()
         r = mgr.restore({{"w": jax.ShapeDtypeStruct(w.shape, w.dtype)}})
-        for p in (mgr.backend.stores[0].root).glob("slot-*.bin"):
+        for p in (mgr._backend.stores[0].root).glob("slot-*.bin"):
           os.truncate(p, 0)
         assert np.asarray(r.state["w"]).tobytes() == w.tobytes()
       print("ok")
@@ -334,7 +334,7 @@ def test_nan_scalars_and_extras_restore_and_a_store_that_lies_is_not_believed(st
     target = dict(abstract(), loss=0.0, flag=False)
     r = mgr.restore(target)
     assert r.step == 2 and r.state["loss"] != r.state["loss"] and r.extra["x"] != r.extra["x"]
-    store1 = mgr.backend.stores[1]
+    store1 = mgr._backend.stores[1]
     m = next(m for m in store1.manifests() if m.step == 2)
     flag = next(i for i, s in enumerate(m.leaves) if s.path == "flag")
     store1.commit(dataclasses.replace(m, scalars={**m.scalars, flag: 1.0}))

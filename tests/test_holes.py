@@ -78,7 +78,7 @@ def test_close_releases_the_last_restore_s_slot_mappings(store_dir):
   mgr.save(1, state)
   mgr.wait_until_finished()
   mgr.restore(state)
-  backend = mgr.backend
+  backend = mgr._backend
   assert backend._views  # the restore mapped its slot
   mgr.close()
   assert not backend._views

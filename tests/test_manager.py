@@ -147,12 +147,12 @@ def test_restore_memory_is_faulted_in_ahead_once_a_snapshot_commits(trainer, sto
   state = trainer.init_state()
   made = _arenas_made(monkeypatch)
   with snapstore.SnapshotManager(opts(store_dir, keep=1)) as mgr:
-    assert mgr._prefaulting is None  # an empty store: nothing to restore yet
+    assert mgr._saver.prefaulting is None  # an empty store: nothing to restore yet
     mgr.save(1, state)
     mgr.wait_until_finished()
-    mgr._prefaulting.join()
+    mgr._saver.prefaulting.join()
     (ahead,) = made
-    own = snapstore._planner.own_bytes(mgr.backend.manifests())
+    own = snapstore._planner.own_bytes(mgr._backend.manifests())
     shards = {(i, str(sh.index)): sh.data.nbytes  # each distinct shard: a piece
               for i, x in enumerate(jax.tree.leaves(state)) for sh in x.addressable_shards}
     assert ahead == own == sum(-(-n // 4096) * 4096 for n in shards.values())
@@ -176,9 +176,9 @@ def test_a_manager_on_a_store_with_a_snapshot_faults_restore_memory_in_at_start(
     mgr.save(1, state)
   made = _arenas_made(monkeypatch)
   with snapstore.SnapshotManager(opts(store_dir, prefault_restore=False)) as mgr:
-    assert mgr._prefaulting is None and made == []
+    assert mgr._saver.prefaulting is None and made == []
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:
-    mgr._prefaulting.join()
+    mgr._saver.prefaulting.join()
     assert len(made) == 1
     r = mgr.restore(trainer.abstract_state())
     assert len(made) == 1
@@ -370,7 +370,7 @@ def test_skip_policy_counts_skipped_steps(trainer, store_dir):
   o = opts(store_dir, busy_policy=snapstore.BusyPolicy.SKIP, copy_threads=1)
   with snapstore.SnapshotManager(o) as mgr:
     gate = threading.Event()
-    mgr._drainer.submit(gate.wait)  # the drain of step 1 waits behind this.
+    mgr._saver.drainer.submit(gate.wait)  # the drain of step 1 waits behind this.
     assert mgr.save(1, state)
     assert not mgr.save(2, state)
     gate.set()
@@ -385,7 +385,7 @@ def test_wait_policy_waits_and_counts(trainer, store_dir):
   state = trainer.init_state()
   with snapstore.SnapshotManager(opts(store_dir, copy_threads=1)) as mgr:
     gate = threading.Event()
-    mgr._drainer.submit(gate.wait)  # the drain of step 1 waits behind this.
+    mgr._saver.drainer.submit(gate.wait)  # the drain of step 1 waits behind this.
     assert mgr.save(1, state)
     threading.Timer(0.2, gate.set).start()
     assert mgr.save(2, state)
@@ -429,8 +429,8 @@ def test_a_drain_lowers_the_switch_interval_and_puts_it_back(trainer, store_dir,
   before = sys.getswitchinterval()
   seen = []
   with snapstore.SnapshotManager(opts(store_dir, drain_switch_interval_s=interval)) as mgr:
-    drain = mgr.backend.drain
-    mgr.backend.drain = lambda p: (seen.append(sys.getswitchinterval()), drain(p))[1]
+    drain = mgr._backend.drain
+    mgr._backend.drain = lambda p: (seen.append(sys.getswitchinterval()), drain(p))[1]
     mgr.save(1, trainer.init_state())
     mgr.wait_until_finished()
     assert sys.getswitchinterval() == before
@@ -450,9 +450,9 @@ def test_capture_and_drain_pause_the_collector_and_put_it_back(trainer, store_di
   try:
     (gc.enable if enabled else gc.disable)()
     with snapstore.SnapshotManager(opts(store_dir, pause_gc=pause)) as mgr:
-      capture, drain = mgr.backend.capture, mgr.backend.drain
-      mgr.backend.capture = lambda *a, **k: (seen.append(gc.isenabled()), capture(*a, **k))[1]
-      mgr.backend.drain = lambda p: (seen.append(gc.isenabled()), drain(p))[1]
+      capture, drain = mgr._backend.capture, mgr._backend.drain
+      mgr._backend.capture = lambda *a, **k: (seen.append(gc.isenabled()), capture(*a, **k))[1]
+      mgr._backend.drain = lambda p: (seen.append(gc.isenabled()), drain(p))[1]
       mgr.save(1, trainer.init_state())
       mgr.wait_until_finished()
       assert gc.isenabled() == enabled
@@ -581,7 +581,7 @@ def test_memory_a_closed_pinned_manager_lets_go_of_never_holds_a_live_state():
   expected = host_copy(state)
   with snapstore.SnapshotManager(snapstore.SnapshotOptions(keep=1, run_id="spares"),
                                  slices={0: devs[:4], 1: devs[4:]}) as mgr:
-    assert mgr.backend.kind is snapstore.StoreKind.PINNED_HOST
+    assert mgr._backend.kind is snapstore.StoreKind.PINNED_HOST
     mgr.save(3, state)
     mgr.wait_until_finished()
     restored = mgr.restore(abstract(devs)).state

@@ -194,7 +194,7 @@ def test_pinned_store_never_rebuilds_from_a_flipped_byte(store_dir):
     refs = save_steps(mgr, [1, 2, 3])
 
     def flip(sid, step, pick):
-      store = mgr.backend.stores[sid]
+      store = mgr._backend.stores[sid]
       (m,) = [m for m in store.manifests() if m.step == step]
       rec = pick(m)
       arr = store.array(m.slot, rec.offset)

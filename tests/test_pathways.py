@@ -93,7 +93,7 @@ def run_elastic(store_dir, lose, options, *, fail_at=5, total=8,
   trainer = ElasticTrainer(elastic, options=options, store_dir=store_dir, run_id="pw",
                            persistent=persistent, persistent_interval=2 if persistent else 0)
   # CPU devices have pinned_host memory: the slices' snapshots are pinned arrays.
-  assert trainer.snapshots.backend.kind is StoreKind.PINNED_HOST
+  assert trainer.snapshots.store_kind is StoreKind.PINNED_HOST
   saved: dict[int, object] = {}
   meshes = []
   # DeviceLossSimulator tracks arrays by id(): keep every array alive so no
@@ -176,7 +176,7 @@ def test_parity_keeps_at_most_0_4x_the_extra_bytes_of_a_replica(store_dir):
                          slices=s2d) as mgr:
       mgr.save(1, state)
       mgr.wait_until_finished()
-      held[name] = [mgr.backend.stores[k].held_bytes() for k in sorted(s2d)]
+      held[name] = [mgr._backend.stores[k].held_bytes() for k in sorted(s2d)]
       restored = mgr.restore(abstract_state)
       assert_bitwise_equal(host_copy(state), restored.state)
   for k in range(4):
@@ -345,7 +345,7 @@ def test_a_store_that_raises_on_read_is_a_lost_domain(store_dir, monkeypatch):
       mgr.save(step, state)
     mgr.wait_until_finished()
     expected = host_copy(state)
-    dead = mgr.backend.stores[0]
+    dead = mgr._backend.stores[0]
     reads = []
     real_part = PinnedHostStore.part
 

@@ -41,7 +41,7 @@ def manager(s2d, **kw):
 
 def stored(mgr, domain, step):
   """(piece record, stored array) of one domain's snapshot of ``step``."""
-  store = mgr.backend.stores[domain]
+  store = mgr._backend.stores[domain]
   (m,) = [m for m in store.manifests() if m.step == step]
   return [(p, store.array(m.slot, p.offset)) for p in m.pieces]
 
@@ -88,11 +88,11 @@ def test_per_shard_checksums_match_each_shard(s2d):
 # ----------------------------------------------------------------- placement
 def test_auto_picks_pinned_host_for_slices_and_host_files_otherwise(s2d, store_dir):
   with manager(s2d, store_dir=store_dir) as mgr:
-    assert mgr.backend.kind is StoreKind.PINNED_HOST
+    assert mgr._backend.kind is StoreKind.PINNED_HOST
     # CPU: the controller reads pinned buffers in place
-    assert mgr.backend.checksum is ChecksumKind.CRC32C
+    assert mgr._backend.checksum is ChecksumKind.CRC32C
   with SnapshotManager(SnapshotOptions(store_dir=store_dir)) as mgr:
-    assert mgr.backend.kind is StoreKind.HOST_FILES
+    assert mgr._backend.kind is StoreKind.HOST_FILES
   with pytest.raises(ValueError, match="single controller"):
     SnapshotManager(SnapshotOptions(store=StoreKind.PINNED_HOST))
 
@@ -102,7 +102,7 @@ def test_each_slice_holds_its_pieces_in_its_own_pinned_memory(s2d):
   with manager(s2d) as mgr:
     mgr.save(1, state)
     mgr.wait_until_finished()
-    names = {i: s.path for i, s in enumerate(mgr.backend.stores[0].manifests()[0].leaves)}
+    names = {i: s.path for i, s in enumerate(mgr._backend.stores[0].manifests()[0].leaves)}
     for d, devs in s2d.items():
       by_leaf: dict[str, list] = {}
       for rec, arr in stored(mgr, d, 1):
@@ -150,7 +150,7 @@ def test_on_cpu_each_slot_reuses_its_memory_and_a_lost_slice_frees_it(s2d, monke
     r = mgr.restore(abstract(jax.devices()))
     assert_bitwise_equal(host_copy(make_state(jax.devices(), 5)), r.state)
     mgr.forget_domains([1], "slice lost")
-    assert mgr.backend.stores[1]._memory == {}
+    assert mgr._backend.stores[1]._memory == {}
 
 
 def test_budget_too_small_raises_before_taking_memory_and_caps_snapshots(s2d):
@@ -162,12 +162,12 @@ def test_budget_too_small_raises_before_taking_memory_and_caps_snapshots(s2d):
   with manager(s2d) as probe:
     probe.save(1, state)
     probe.wait_until_finished()
-    size = max(m.data_bytes for st in probe.backend.stores.values() for m in st.manifests())
+    size = max(m.data_bytes for st in probe._backend.stores.values() for m in st.manifests())
   with manager(s2d, keep=5, budget_bytes=2 * size) as mgr:
     for step in range(1, 6):
       mgr.save(step, make_state(jax.devices(), step))
     mgr.wait_until_finished()
-    assert all(len(st.manifests()) <= 2 for st in mgr.backend.stores.values())
+    assert all(len(st.manifests()) <= 2 for st in mgr._backend.stores.values())
     assert mgr.snapshot_steps()[-1] == 5
 
 
@@ -220,7 +220,7 @@ def test_a_flipped_bit_in_pinned_memory_is_caught_and_another_copy_used(s2d, che
     for step in (1, 2):
       mgr.save(step, make_state(jax.devices(), step))
     mgr.wait_until_finished()
-    names = {i: s.path for i, s in enumerate(mgr.backend.stores[0].manifests()[0].leaves)}
+    names = {i: s.path for i, s in enumerate(mgr._backend.stores[0].manifests()[0].leaves)}
     # One copy of a piece that slice 1 also holds: the other copy is used.
     rec, arr = next((r, a) for r, a in stored(mgr, 0, 2) if names[r.leaf] == leaf)
     flip_bit(arr)
@@ -247,7 +247,7 @@ def test_each_slice_keeps_its_own_copy_of_a_numpy_leaf(s2d):
     state["np"] = np.arange(64, dtype=np.int32)
     mgr.save(3, state)
     mgr.wait_until_finished()
-    names = {i: s.path for i, s in enumerate(mgr.backend.stores[0].manifests()[0].leaves)}
+    names = {i: s.path for i, s in enumerate(mgr._backend.stores[0].manifests()[0].leaves)}
     (held,) = [a for r, a in stored(mgr, 0, 3) if names[r.leaf] == "np"]
     held[5] ^= 1  # the store's own copy, as failing RAM would change it
     r = mgr.restore({**abstract(jax.devices()), "np": np.zeros(64, np.int32)})

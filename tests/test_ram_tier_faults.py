@@ -30,7 +30,7 @@ def abstract(rows=16):
 
 
 def root_of(mgr):
-  (store,) = mgr.backend.stores.values()
+  (store,) = mgr._backend.stores.values()
   return store.root
 
 
@@ -91,14 +91,14 @@ def test_a_failed_drain_is_counted_at_the_next_save_which_still_snapshots(store_
   with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
     mgr.save(1, state_at(1))
     mgr.wait_until_finished()
-    drain = mgr.backend.drain
+    drain = mgr._backend.drain
 
     def fail(pending):
       raise OSError("the RAM disk went away")
-    mgr.backend.drain = fail
+    mgr._backend.drain = fail
     mgr.save(2, state_at(2))
-    mgr._inflight.exception()  # (the drain has failed)
-    mgr.backend.drain = drain
+    mgr._saver.inflight.exception()  # (the drain has failed)
+    mgr._backend.drain = drain
     assert mgr.save(3, state_at(3))  # the failure is counted, step 3 is snapshotted
     assert mgr.metrics.store_failures == 1 and "went away" in mgr.metrics.last_store_failure
     mgr.wait_until_finished()

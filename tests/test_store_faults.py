@@ -36,7 +36,7 @@ def train_and_save(trainer, mgr, steps):
 
 def store_of(mgr):
   """The one host store of a single-process manager."""
-  (store,) = mgr.backend.stores.values()
+  (store,) = mgr._backend.stores.values()
   return store
 
 

@@ -287,7 +287,7 @@ def test_saves_with_and_without_the_fused_copy_store_the_same_checksums(tmp_path
       mgr.wait_until_finished()
       checksums[fused] = {
           sid: sorted((p.leaf, p.index, p.checksum) for m in store.manifests() for p in m.pieces)
-          for sid, store in mgr.backend.stores.items()}
+          for sid, store in mgr._backend.stores.items()}
       abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                              sharding=x.sharding), state)
       got = mgr.restore(abstract)

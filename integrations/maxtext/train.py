@@ -294,7 +294,7 @@ class _Engine:
         f"-r{attempt}" if attempt != "0" else "")
     if self.manager is not None:
       self.report["save_metrics"] = self.manager.metrics.as_dict()
-      self.report["store"] = self.manager.backend.kind.value
+      self.report["store"] = self.manager.store_kind.value
     write_atomic(Path(self._report_dir) / f"{name}.json", json.dumps(self.report).encode())
 
   def close(self) -> None:

@@ -1,0 +1,188 @@
+"""A manager's save path: one snapshot in flight at a time.
+
+:class:`Saver` captures a step on the caller's thread (until the state's
+buffers are safe from the next step), then drains it (copies, checksums,
+the manifest commit) on one background thread. Under
+``FailurePolicy.CONTINUE`` a failed capture or drain is counted and logged,
+and training goes on; the last complete snapshot stays restorable.
+
+Between drains it faults in, on a background thread, the host memory a
+restore of the newest snapshot would copy into (``prefault_restore``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent import futures
+from typing import Any
+
+import jax
+
+from . import _arena, _backends, _interval, _planner, _switch, errors
+from ._arena import ArenaCache
+from ._layout import LeafSpec
+from .metrics import SaveMetrics
+from .options import BusyPolicy, FailurePolicy, SnapshotOptions
+
+logger = logging.getLogger(__name__)
+
+
+class Saver:
+  """Captures and drains snapshots into ``backend``, counting in ``metrics``."""
+
+  def __init__(self, backend: _backends.Backend, options: SnapshotOptions,
+               metrics: SaveMetrics, schedule: _interval.Schedule, arenas: ArenaCache,
+               num_hosts: int) -> None:
+    self.backend, self.options, self.metrics = backend, options, metrics
+    self.schedule, self.arenas, self.num_hosts = schedule, arenas, num_hosts
+    self.inflight: futures.Future[None] | None = None
+    self.done_at = 0.0  # when the last drain finished (the schedule's clock)
+    self.drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
+    self.prefaulting: threading.Thread | None = None
+    self._failures_logged: set[str] = set()  # RAM-tier failure kinds logged once
+    self.prefault_ahead()  # a store that holds a snapshot: a restore may come first
+
+  def running(self) -> bool:
+    return self.inflight is not None and not self.inflight.done()
+
+  def start(self, step: int, header: _backends.Header, specs: Sequence[LeafSpec],
+            leaves: Sequence[Any], t_enter: float) -> bool:
+    """Captures ``step`` and hands it to the drain thread; False if skipped
+    (busy under ``BusyPolicy.SKIP``, or a RAM-tier failure under CONTINUE)."""
+    try:
+      pending, t0 = self._capture(step, header, specs, leaves)
+    except (errors.BudgetExceededError, errors.StoreError) as e:
+      # a run's first snapshot that cannot fit is a misconfiguration: raised
+      if (self.options.failure_policy is FailurePolicy.RAISE
+          or self.metrics.snapshots_started == 0):
+        raise
+      self.store_failed(step, e)
+      return False
+    if pending is None:
+      return False
+    self.inflight = self.drainer.submit(self._drain, pending)
+    m = self.metrics
+    m.snapshots_started += 1
+    m.capture_seconds = time.perf_counter() - t0
+    m.capture_seconds_total += m.capture_seconds
+    self.schedule.on_snapshot(step, time.perf_counter() - t_enter)
+    m.interval, m.interval_reason = self.schedule.interval, self.schedule.reason
+    return True
+
+  def _capture(self, step: int, header: _backends.Header, specs: Sequence[LeafSpec],
+               leaves: Sequence[Any]) -> tuple[Any, float]:
+    """Waits for (or skips past) the snapshot in flight, raises its error,
+    then captures this step (None: skipped under ``BusyPolicy.SKIP``)."""
+    if self.running():
+      if self.options.busy_policy is BusyPolicy.SKIP:
+        self.metrics.skipped_busy += 1
+        logger.info("step %d: previous snapshot still draining; skipped (policy SKIP)", step)
+        return None, 0.0
+      t = time.perf_counter()
+      futures.wait([self.inflight])  # type: ignore[list-item]
+      self.metrics.waited_busy += 1
+      self.metrics.wait_seconds += time.perf_counter() - t
+    try:
+      self.raise_drain_error()
+    except errors.DrainFailedError as e:
+      if self.options.failure_policy is FailurePolicy.RAISE:
+        raise
+      self.store_failed(step, e)  # and this step is snapshotted as usual
+    t0 = time.perf_counter()
+    faulting = _arena.faulting_seconds()  # a new slot is made here (host files)
+    try:
+      return self._capture_now(step, header, specs, leaves), t0
+    finally:
+      self.metrics.first_touch_seconds += _arena.faulting_seconds() - faulting
+
+  def _capture_now(self, step: int, header: _backends.Header, specs: Sequence[LeafSpec],
+                   leaves: Sequence[Any]) -> Any:
+    # From the step, not a count of this process's snapshots: a replacement
+    # healed in place (count 0) would move replicas while its peers do not
+    # (mismatched collectives: gloo aborts the process on the size mismatch).
+    travel = self.options.carries_replicas(step)
+    copies = 1 if self.options.redundancy == "parity" else self.options.replicas
+    try:
+      with _switch.collections_paused(self.options.pause_gc):
+        return self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
+    except RuntimeError as e:
+      gone = [s.path for s, x in zip(specs, leaves, strict=True)
+              if isinstance(x, jax.Array) and x.is_deleted()]
+      if not gone:
+        raise
+      more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
+      raise errors.DeletedLeafError(
+          f"step {step}: leaf {gone[0]!r}{more} was deleted, e.g. donated to a jitted step "
+          "that has run since: save the state a step returns before passing it to the next "
+          "one. Nothing of this step was saved.") from e
+
+  def store_failed(self, step: int, e: BaseException) -> None:
+    """A RAM-tier failure under ``FailurePolicy.CONTINUE``: counted, logged
+    once per cause; the last complete snapshot stays restorable."""
+    self.metrics.store_failures += 1
+    self.metrics.last_store_failure = f"step {step}: {e}"
+    cause = type(e).__name__
+    if cause not in self._failures_logged:
+      self._failures_logged.add(cause)
+      logger.warning("step %d: the RAM tier failed and this step has no snapshot; training "
+                     "goes on (FailurePolicy.CONTINUE; counted in metrics.store_failures, "
+                     "logged once per kind): %s", step, e)
+
+  def _drain(self, pending: Any) -> None:
+    t0 = time.perf_counter()
+    faulting = _arena.faulting_seconds()
+    try:
+      with _switch.lowered(self.options.drain_switch_interval_s), \
+          _switch.collections_paused(self.options.pause_gc):
+        nbytes = self.backend.drain(pending)  # drops the capture's views, inside the pause
+    finally:
+      self.metrics.first_touch_seconds += _arena.faulting_seconds() - faulting
+    if not self.options.prefault_restore:  # (else kept in place for a recovery)
+      self.arenas.trim()  # the last restore's memory, if the state left it
+    self.prefault_ahead()
+    self.done_at = time.perf_counter()
+    self.schedule.on_drain(self.done_at - t0)
+    m = self.metrics
+    m.snapshots_committed += 1
+    m.bytes_snapshotted += nbytes
+    m.drain_seconds = time.perf_counter() - t0
+    m.drain_seconds_total += m.drain_seconds
+
+  def prefault_ahead(self) -> None:
+    """Faults in, on a background thread, the host memory a restore of the
+    newest snapshot here copies into (``SnapshotOptions.prefault_restore``;
+    :meth:`ArenaCache.prefault`), unless an arena is kept or being made."""
+    if (not self.options.prefault_restore or self.backend.prefetch_pool is None
+        or (self.prefaulting is not None and self.prefaulting.is_alive())
+        or self.arenas.kept_bytes):  # (after: it waits while a prefault runs)
+      return
+    try:
+      nbytes = _planner.own_bytes(self.backend.manifests())
+    except Exception as e:  # noqa: BLE001 - an optimization: never fail a save or a start
+      logger.warning("restore memory not faulted in ahead: %r", e)
+      return
+    if nbytes:
+      self.prefaulting = threading.Thread(target=self.arenas.prefault, args=(nbytes,),
+                                          name="snapstore-prefault", daemon=True)
+      self.prefaulting.start()
+
+  def raise_drain_error(self) -> None:
+    f = self.inflight
+    if f is not None and f.done() and f.exception() is not None:
+      self.inflight = None
+      raise errors.DrainFailedError(
+          f"the background snapshot failed: {f.exception()!r}") from f.exception()
+
+  def wait(self) -> None:
+    """Blocks until the snapshot in flight is committed or failed."""
+    if self.inflight is not None:
+      futures.wait([self.inflight])
+
+  def close(self) -> None:
+    self.drainer.shutdown(wait=True)
+    if self.prefaulting is not None:
+      self.arenas.interrupt()
+      self.prefaulting.join()
