@@ -159,7 +159,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   from snapstore._arena import host_arena
   from snapstore._assemble import _place_host, _wanted
   from snapstore._index import align, nbytes as index_nbytes, shape_of
-  from snapstore._layout import leaf_spec, positions
+  from snapstore._tree import leaf_spec, positions
   leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
   specs = [leaf_spec(f"w{i}", x) for i, x in enumerate(leaves)]
   rows = []  # (leaf, device, index, position, offset, bytes) of each wanted shard
@@ -222,7 +222,7 @@ def jax_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   from snapstore._arena import host_arena
   from snapstore._assemble import _place_host, _wanted
   from snapstore._index import align, nbytes as index_nbytes, shape_of
-  from snapstore._layout import leaf_spec
+  from snapstore._tree import leaf_spec
   leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
   specs = [leaf_spec(f"w{i}", x) for i, x in enumerate(leaves)]
   shards = [s.data for x in leaves for s in x.addressable_shards]
@@ -292,7 +292,7 @@ def run_workers(module: str, argv: Callable[[Path], Sequence[str]], *, prefix: s
   """Runs ``module`` on 4 local hosts (2 CPU devices each) under ``snapstore
   launch`` with ``argv(work) + --out --store`` in a fresh RAM-disk folder;
   returns the JSON host 0 wrote (the hosts' log tails in the error if not)."""
-  from snapstore.launch import launch
+  from snapstore.testing import launch
   work = ram_dir(prefix)
   root = str(Path(__file__).resolve().parents[1])
   env = dict(env or {}, PYTHONPATH=os.pathsep.join(
@@ -366,7 +366,7 @@ def demo_job(work: Path, name: str, steps: int, worker_args: Sequence[str], *,
   ``name`` under ``snapstore launch`` in ``work``: its store in
   ``work/store-<name>``, its reports and logs in ``work/<name>``, one
   incarnation more than there are kills. Returns (incarnations, report dir)."""
-  from snapstore.launch import launch
+  from snapstore.testing import launch
   out, store = work / name, work / f"store-{name}"
   out.mkdir()
   incs = launch("snapstore.demo.worker",

@@ -69,14 +69,14 @@ def main() -> int:
   p.add_argument("--replicas", type=int, default=1)
   p.add_argument("--step-s", type=float, default=0.0)
   a = p.parse_args()
-  from snapstore.launch import init_from_env
+  from snapstore.testing import init_from_env
   host, num_hosts, _ = init_from_env()
   import jax
   import numpy as np
   from jax.experimental import multihost_utils
 
   import snapstore
-  from snapstore._layout import flatten
+  from snapstore._tree import flatten
 
   job = Job(a.mb, a.steps, a.step_s)
   abstract = job.abstract

@@ -22,7 +22,7 @@ def main() -> int:
   p.add_argument("--out", required=True)
   p.add_argument("--store", required=True)
   a = p.parse_args()
-  from snapstore.launch import init_from_env
+  from snapstore.testing import init_from_env
   host, num_hosts, _ = init_from_env()
   import jax
   import numpy as np
@@ -74,13 +74,13 @@ def main() -> int:
 
   # The parity kept (a sum modulo 2**32 around a ring of permutes) against
   # the classic XOR on the same ring, and the sum as one psum_scatter.
-  from snapstore import _group, _parity
+  from snapstore import _devices, _parity
   st = mgrs["parity"]._backend._stripes()
   arrays = list(job.state.values())
   _, length = _parity.layout(st, list(range(len(arrays))), arrays)
   for op in _parity.OPS:
     run = lambda op=op: _parity.encode(st, arrays, length, op=op,  # noqa: E731
-                                 order=_group.devices())
+                                 order=_devices.devices())
     jax.block_until_ready(run())  # compile
     times = []
     for r in range(5):

@@ -81,7 +81,7 @@ def run_job(work: Path, name: str, *, steps: int, period: int, snapshots: bool,
   checkpoints in ``work/orbax``, reports and logs in ``work/<name>``.
   ``data``: MaxText's data keys (``grain_args`` for grain). Returns
   (incarnations, host 0's report of the last incarnation)."""
-  from snapstore.launch import launch
+  from snapstore.testing import launch
   out = work / name
   out.mkdir(parents=True)
   store = work / f"store-{name}"
@@ -146,7 +146,7 @@ def _recovery(incs: list[Any], report: dict[str, Any], kill: int) -> dict[str, A
 
 
 def run(steps: int, period: int, kill: int) -> dict[str, Any]:
-  from snapstore.launch import Kill
+  from snapstore.testing import Kill
   work = ram_dir("snapstore-maxtext-")
   cache = work / "jax-cache"
   try:

@@ -32,7 +32,7 @@ def run(mb: int, steps: int, rounds: int, repeats: int, k: int, step_s: float) -
 
 
 def v5p_plan() -> dict:
-  from snapstore.plan import from_size
+  from snapstore.capacity import from_size
   state = int(175e9 * 14)
   return {"params": 175e9, "bytes_per_param": 14, "hosts": 1024, "keep": 2,
           "ram_bytes_per_host": 448 * 10**9,

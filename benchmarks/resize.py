@@ -57,7 +57,7 @@ RUNS = {  # name -> (snapshots, in place, min_hosts)
 def run_one(name: str, *, work: Path, persistent: str, kill_step: int, steps: int,
             checkpoint_every: int, step_s: float, delay_s: float,
             env: dict[str, str]) -> dict[str, Any]:
-  from snapstore.launch import Kill, launch
+  from snapstore.testing import Kill, launch
   snapshots, in_place, min_hosts = RUNS[name]
   out = work / name
   out.mkdir()

@@ -69,7 +69,7 @@ def run(mb: int, repeats: int) -> dict:
 
 
 def _flat(state):
-  from snapstore._layout import flatten
+  from snapstore._tree import flatten
   specs, leaves, _ = flatten(state)
   return specs, leaves
 

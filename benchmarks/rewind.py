@@ -40,7 +40,7 @@ def _kill_steps(interval: int, kills: int, rng: random.Random) -> list[int]:
 
 def _run(work: Path, name: str, interval: int, kill_steps: list[int], snapshots: bool,
          env: dict[str, str], step_s: float) -> dict:
-  from snapstore.launch import Kill
+  from snapstore.testing import Kill
   steps = kill_steps[-1] + 3
   ckpt = work / f"ckpt-{name}"
   seen: dict[str, float] = {}  # checkpoint step -> when its directory became final

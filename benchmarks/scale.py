@@ -2,8 +2,8 @@
 
 ``python -m benchmarks.scale`` (JSON to stdout and ``--out``, a PNG with
 ``--plot``): one host's view of an N-host multi-controller job, N = 8 ...
-16,384, through snapstore's own restore decision (:mod:`snapstore._agree`,
-:mod:`snapstore._sparse`: records, needs, holders, rows, the transfer
+16,384, through snapstore's own restore decision (:mod:`snapstore._multihost.agree`,
+:mod:`snapstore._multihost.sparse`: records, needs, holders, rows, the transfer
 rounds), with only the collective replaced by an in-process stand-in.
 
 The stand-in runs the hosts that matter to a case in lockstep threads (the
@@ -16,7 +16,7 @@ the same records as any live host (one step pair, one digest), no needs, no
 rows, and no holder that beats a neighbour (it holds only its own pieces,
 which no lost host needs, and replicated leaves, which the needer's nearer
 neighbours hold too). Bytes per host are the buffers the real collective
-(:class:`snapstore._collective.JaxCollective`) would put in and get back.
+(:class:`snapstore._multihost.collective.JaxCollective`) would put in and get back.
 
 Not simulated: reading the stores and the point-to-point moves themselves
 (their cost is the state bytes a host receives, reported), and JAX's own
@@ -71,7 +71,7 @@ class Layout:
   """The saved (and target) layout of an N-host job."""
 
   def __init__(self, n: int):
-    from snapstore._layout import LeafKind, LeafSpec
+    from snapstore._tree import LeafKind, LeafSpec
     self.n, devices = n, LOCAL * n
     arrays = []
     for path, shape, axis in _params():
@@ -103,7 +103,7 @@ class Layout:
                  for a, d in enumerate(shape))
 
   def arrays(self) -> list[int]:
-    from snapstore._layout import LeafKind
+    from snapstore._tree import LeafKind
     return [i for i, s in enumerate(self.specs) if s.kind is not LeafKind.SCALAR]
 
   def manifest(self, host: int, step: int, slot: int, *, parity: bool, shift: int = 1) -> Any:
@@ -113,7 +113,6 @@ class Layout:
     (parity) one block a local device instead."""
     from snapstore._checksum import ChecksumKind
     from snapstore._index import align
-    from snapstore._layout import tree_digest
     from snapstore._manifest import (
       PARITY_LEAF,
       Manifest,
@@ -122,6 +121,7 @@ class Layout:
       piece_row,
       split_parity,
     )
+    from snapstore._tree import tree_digest
     rows, off, crc = [], 0, ChecksumKind.CRC32C
     def add(leaf: int, index: Any, owner: int) -> None:
       nonlocal off
@@ -198,7 +198,7 @@ class Target:
 
 
 def targets_of(layout: Layout, host: int) -> list[Any]:
-  from snapstore._layout import LeafKind
+  from snapstore._tree import LeafKind
   return [None if s.kind is LeafKind.SCALAR else Target(FakeSharding(layout, host, a))
           for s, a in zip(layout.specs, layout.axes, strict=True)]
 
@@ -206,7 +206,7 @@ def targets_of(layout: Layout, host: int) -> list[Any]:
 # ------------------------------------------------------------ the stand-in
 class Lockstep:
   """The collective of the hosts run as threads, bystanders filled in:
-  a bystander holds what host 0 holds (the bitmaps of :func:`_agree.candidates`
+  a bystander holds what host 0 holds (the bitmaps of :func:`agree.candidates`
   get its bit where host 0 sets its own), sends no blob (zeros in every
   sum), and never holds a needed piece nearer than a neighbour (it is left
   out of every minimum; the maxima of equal stores are host 0's)."""
@@ -245,16 +245,16 @@ class Lockstep:
 
 
 class SimCollective:
-  """:class:`snapstore._collective.Collective` for one simulated host,
+  """:class:`snapstore._multihost.collective.Collective` for one simulated host,
   counting the buffers :class:`JaxCollective` would use."""
 
   def __init__(self, world: Lockstep, host: int):
-    from snapstore._collective import Traffic
+    from snapstore._multihost.collective import Traffic
     self.world, self.host, self.num_hosts = world, host, world.n
     self.traffic = Traffic()
 
   def _count(self, nbytes: int) -> None:
-    from snapstore._collective import bucket
+    from snapstore._multihost.collective import bucket
     size = bucket(nbytes) if nbytes else 0
     self.traffic.add(size, size)
 
@@ -278,7 +278,7 @@ class SimCollective:
 
 
 def _bucket(n: int) -> int:
-  from snapstore._collective import bucket
+  from snapstore._multihost.collective import bucket
   return bucket(n)
 
 
@@ -309,26 +309,26 @@ def lockstep(n: int, hosts: Sequence[int], fn: Any) -> list[Any]:
 
 # --------------------------------------------------------------- one case
 def restore_decision(coll: SimCollective, layout: Layout, manifests: list[Any]) -> dict:
-  """What :meth:`snapstore._peers.Distributed.restore` runs before it reads
+  """What :meth:`snapstore._multihost.peers.Distributed.restore` runs before it reads
   a store: records, maxima, candidates, then the plan of each candidate."""
-  from snapstore import _agree, _moves, _sparse
+  from snapstore._multihost import agree, moves, sparse
   from snapstore._switch import collections_paused
   t = time.thread_time()
   with collections_paused(True):
-    _agree.max64(coll, (STEPS[-1], 0, 1))
+    agree.max64(coll, (STEPS[-1], 0, 1))
     out: dict[str, Any] = {"verdict": "persistent"}
     targets = targets_of(layout, coll.host)
-    for cand in _agree.candidates(coll, manifests):
-      got = _sparse.plan(coll, _sparse.manifests_at(manifests, cand), cand, layout.specs,
+    for cand in agree.candidates(coll, manifests):
+      got = sparse.plan(coll, sparse.manifests_at(manifests, cand), cand, layout.specs,
                          targets)
-      if isinstance(got, _sparse.Lost):
+      if isinstance(got, sparse.Lost):
         continue
-      if isinstance(got, _sparse.Fallback):
+      if isinstance(got, sparse.Fallback):
         out = {"verdict": "fallback", "why": got.why}
         break
-      sent, received = _moves.bytes_moved(got, coll.host)
+      sent, received = moves.bytes_moved(got, coll.host)
       out = {"verdict": "snapshot", "step": cand.step, "state_sent": sent,
-             "state_received": received, "rounds": len(_moves.rounds(got))}
+             "state_received": received, "rounds": len(moves.rounds(got))}
       break
   out["cpu_s"] = time.thread_time() - t
   out["payload_sent"], out["payload_received"] = coll.traffic.sent, coll.traffic.received
@@ -369,11 +369,12 @@ def run_case(n: int, case: str, redundancy: str) -> dict:
 def before(n: int) -> dict:
   """The full exchange, timed as one host runs it: every host's manifests
   gathered (the all-reduce faked by what it returns), decoded, planned for
-  one host lost, and the lost pieces found (:func:`_exchange.missing_pieces`)."""
+  one host lost, and the lost pieces found (:func:`exchange.missing_pieces`)."""
   import msgpack
 
-  from snapstore import _exchange, _planner
+  from snapstore import _planner
   from snapstore._manifest import encode
+  from snapstore._multihost import exchange
   from snapstore._switch import collections_paused
   layout = Layout(n)
   lost = n // 2
@@ -392,26 +393,26 @@ def before(n: int) -> dict:
       out[i * size:i * size + len(b)] = np.frombuffer(b, np.uint8)
     return out
   import jax
-  saved = (_exchange._sum, jax.process_count, jax.process_index)
-  _exchange._sum, jax.process_count, jax.process_index = fake_sum, (lambda: n), (lambda: 0)
+  saved = (exchange._sum, jax.process_count, jax.process_index)
+  exchange._sum, jax.process_count, jax.process_index = fake_sum, (lambda: n), (lambda: 0)
   tracemalloc.start()
   t = time.process_time()
   try:
     local = [m for m in (layout.manifest(0, s, i, parity=False) for i, s in enumerate(STEPS))]
-    manifests, _ = _exchange.gather_manifests(local, (STEPS[-1], 0, 1))
+    manifests, _ = exchange.gather_manifests(local, (STEPS[-1], 0, 1))
     with collections_paused(True):
       plan = _planner.choose(manifests)
       devices = [FakeDevice(i) for i in range(LOCAL * n)]
       for leaf in layout.arrays():
-        _exchange.missing_pieces(plan, leaf, _FullSharding(layout, devices, layout.axes[leaf]),
+        exchange.missing_pieces(plan, leaf, _FullSharding(layout, devices, layout.axes[leaf]),
                                  tuple(layout.specs[leaf].shape))
     cpu = time.process_time() - t
   finally:
-    _exchange._sum, jax.process_count, jax.process_index = saved
+    exchange._sum, jax.process_count, jax.process_index = saved
   peak = tracemalloc.get_traced_memory()[1]
   tracemalloc.stop()
   return {"n": n, "cpu_s": round(cpu, 3), "peak_mb": round(peak / 2**20, 1),
-          "payload_received": _exchange.bucket(n * max(len(b) for b in blobs))}
+          "payload_received": exchange.bucket(n * max(len(b) for b in blobs))}
 
 
 class _FullSharding:

@@ -65,7 +65,7 @@ def _job(work: Path, name: str, hosts: int, steps: int, kills: list, env: dict) 
 
 
 def draw_kills(n: int, hosts: int, rng: random.Random) -> list:
-  from snapstore.launch import Kill
+  from snapstore.testing import Kill
   out = []
   for i in range(n):
     phase = rng.choice(PHASES) if i else rng.choice(PHASES[:-1])  # nothing to restore yet
@@ -127,7 +127,7 @@ def draw_faults(n: int, hosts: int, kinds: Sequence[str], second: float,
                 rng: random.Random) -> tuple[list[dict[str, Any]], list[Any]]:
   """``n`` faults, one every :data:`GAP` steps from :data:`FIRST`, each in
   whichever incarnation reaches its step. Returns (faults, their kills)."""
-  from snapstore.launch import Kill
+  from snapstore.testing import Kill
   faults, kills = [], []
   for i in range(n):
     kind, host, step = rng.choice(kinds), rng.randrange(hosts), FIRST + GAP * i

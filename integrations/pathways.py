@@ -29,11 +29,11 @@ from typing import Any
 import jax
 
 from snapstore import (
-  NothingToRestoreError,
-  OrbaxTier,
-  RestoreResult,
-  SnapshotManager,
-  SnapshotOptions,
+    NothingToRestoreError,
+    OrbaxTier,
+    RestoreResult,
+    SnapshotManager,
+    SnapshotOptions,
 )
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,11 @@ from .errors import (
     UnsafeStoreError as UnsafeStoreError,
     UnsupportedLeafError as UnsupportedLeafError,
 )
-from .metrics import RestoreResult as RestoreResult, SaveMetrics as SaveMetrics, Source as Source
+from .metrics import (
+    RestoreResult as RestoreResult,
+    SaveMetrics as SaveMetrics,
+    Source as Source,
+)
 from .options import (
     BusyPolicy as BusyPolicy,
     FailurePolicy as FailurePolicy,

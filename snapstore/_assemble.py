@@ -23,8 +23,8 @@ from . import _jax_private
 from ._arena import ArenaCache, host_arena
 from ._checksum import SMALL_BYTES, aligned_empty
 from ._index import Index, align, full, normalize, overlaps, shape_of, volume
-from ._layout import LeafKind, LeafSpec, filled, target_sharding, wants_numpy
 from ._planner import Copy, CopyKey, StepPlan
+from ._tree import LeafKind, LeafSpec, filled, target_sharding, wants_numpy
 
 Stored = np.ndarray | jax.Array
 

@@ -1,6 +1,6 @@
 """Fault points: a process SIGKILLs (or freezes) itself at a named phase of a step.
 
-Armed only by the environment, which ``snapstore.launch`` sets for the host
+Armed only by the environment, which ``snapstore.testing.supervisor`` sets for the host
 and incarnation a ``Kill(phase=...)`` names::
 
   SNAPSTORE_FAULT=<phase>@<step>[:stop][,...]   e.g. manifest@6 or capture@9,orbax@12:stop

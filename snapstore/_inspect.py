@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _planner
-from ._backends.hostfiles.store import open_regular, scan
+from ._backends import open_regular, scan
 from ._checksum import ChecksumKind, crc_matches, piece_key
 from ._manifest import Manifest
 from ._parity import PARITY_PATH

@@ -6,14 +6,14 @@ public call does the same:
 - the distributed runtime (``jax._src.distributed.global_state``, and
   ``jax._src.lib._jax`` to make a recoverable client and to host the
   coordination service): in-place recovery (:mod:`snapstore.recovery`) and
-  its barriers (:mod:`._orbax_barrier`) talk to the coordination service
+  its barriers (:mod:`snapstore.recovery.orbax_barrier`) talk to the coordination service
   directly;
 - the compilation cache's key (``jax._src.cache_key``): one compiled
-  program serves every device order of a mesh on CPU (:mod:`._cache_keys`);
+  program serves every device order of a mesh on CPU (:mod:`snapstore.recovery.cache_keys`);
 - JAX's batched put (``jax._src.interpreters.pxla.batched_device_put``):
   a restore places each leaf's host buffers in one call (:mod:`._assemble`);
 - ``jax.Array._arrays``: a leaf's single-device arrays in one attribute
-  read, on a save's hot path (:mod:`._layout`).
+  read, on a save's hot path (:mod:`snapstore._tree`).
 
 Each function degrades to None (or raises ``ImportError`` where there is no
 other way) where this JAX lacks what it reaches for; :func:`unsupported`

@@ -4,7 +4,7 @@ The manager decides *when* (interval, busy policy, persistent interval)
 and *which incarnation* writes, and starts each restore. Where snapshots
 live is a backend's business (:mod:`._backends`, chosen once here); what to
 restore, one attempt after another, is :mod:`._restore`'s; who takes part
-in a restore is the job's (:mod:`._peers`); building leaves from pieces is
+in a restore is the job's (:mod:`snapstore._multihost.peers`); building leaves from pieces is
 the assembler's (:mod:`._assemble`).
 """
 
@@ -20,21 +20,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from . import (
-    _backends,
-    _faults,
-    _interval,
-    _peers,
-    _planner,
-    _reports,
-    _restore,
-    _save,
-    errors,
-)
+from . import _backends, _faults, _interval, _multihost, _planner, _reports, _restore, _save, errors
 from ._arena import ArenaCache
-from ._layout import flatten, tree_digest
 from ._manifest import check_extra
 from ._persistent import OrbaxTier
+from ._tree import flatten, tree_digest
 from .metrics import RestoreResult, SaveMetrics
 from .options import MAX_INT, SnapshotOptions, StoreKind
 
@@ -71,7 +61,7 @@ class SnapshotManager:
         self.options.copy_threads, thread_name_prefix="snapstore-copy")
     self._backend = _backends.choose(self.options, host=self.host, num_hosts=self.num_hosts,
                                     slices=slices, pool=self._copy_pool)
-    self._peers = _peers.for_job(self.host, self.num_hosts)
+    self._peers = _multihost.for_job(self.host, self.num_hosts)
     if persistent is None or isinstance(persistent, OrbaxTier):
       self.persistent = persistent
     else:

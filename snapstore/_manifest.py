@@ -22,14 +22,14 @@ import msgpack
 from . import errors
 from ._checksum import ChecksumKind
 from ._index import Index, disjoint, nbytes as index_nbytes
-from ._layout import (
-  LeafKind,
-  LeafSpec,
-  check_scalar,
-  check_spec,
-  spec_from_row,
-  spec_row,
-  tree_digest,
+from ._tree import (
+    LeafKind,
+    LeafSpec,
+    check_scalar,
+    check_spec,
+    spec_from_row,
+    spec_row,
+    tree_digest,
 )
 from .options import MAX_INT
 

@@ -18,7 +18,7 @@ Both directions are sums: the parity is ``k`` jitted collective permutes
 around each group, over the job's agreed device order, each member adding
 what it receives (XLA carries the bytes, as it does for replicas; each device
 sends ``L`` bytes, what a replica sends); a rebuild is one sum over hosts
-(:func:`._exchange.sum_words`) where each survivor contributes its words
+(:func:`snapstore._multihost.exchange.sum_words`) where each survivor contributes its words
 negated, or plain numpy where one process holds every store.
 """
 
@@ -224,7 +224,7 @@ def encode(st: Stripes, arrays: Sequence[jax.Array], length: int, *, op: str = "
   (devices, L / k / 4) uint32 array whose row on each device is its block.
   One jitted program (``op``: see :data:`OPS`); collective. The ring runs
   on one axis over ``order`` (every device of ``st``; default the stripes'
-  order): a multi-controller job passes :func:`._group.devices`, the order
+  order): a multi-controller job passes :func:`snapstore._devices.devices`, the order
   its communicators are keyed by, so that after an in-place recovery the
   parity never meets a communicator of a dead process."""
   if op not in OPS:

@@ -21,8 +21,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from . import _group, _orbax_barrier, errors
-from ._layout import LeafKind, LeafSpec, spec_from_row, spec_row, target_sharding
+from . import _devices, errors
+from ._tree import LeafKind, LeafSpec, spec_from_row, spec_row, target_sharding
+from .recovery import OrbaxBarrier
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class OrbaxTier:
   ``save`` and ``restore`` are collective in a multi-process job: every
   process calls them with the same step. In a recoverable job
   (:mod:`snapstore.recovery`) the manager made from a path commits through
-  :mod:`._orbax_barrier`: a save that a replaced process took part in is
+  :mod:`snapstore.recovery.orbax_barrier`: a save that a replaced process took part in is
   abandoned, never committed, and the job goes on; while the job runs
   without some processes (``InPlace`` with ``min_hosts``) the manager's
   active processes are the members, and it saves and restores without the
@@ -55,7 +56,7 @@ class OrbaxTier:
   def __init__(self, manager: ocp.CheckpointManager | str | os.PathLike[str], *,
                max_to_keep: int = 3):
     self._path: str | None = None
-    self._barrier: _orbax_barrier.Barrier | None = None
+    self._barrier: OrbaxBarrier | None = None
     self._max_to_keep = max_to_keep
     if not isinstance(manager, ocp.CheckpointManager):
       # Every process creates the directory itself, and no root metadata is
@@ -75,19 +76,19 @@ class OrbaxTier:
         ocp.CheckpointManagerOptions)}:
       options["save_root_metadata"] = False
     if jax.process_count() > 1 and getattr(jax.config, "jax_enable_recoverability", False):
-      self._barrier = _orbax_barrier.Barrier()
+      self._barrier = OrbaxBarrier()
       options["async_options"] = ocp.AsyncOptions(barrier_sync_fn=self._barrier)
-      members = _group.processes()
+      members = _devices.processes()
       if members is not None:  # the job runs without some processes: they sit out
         options["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
             primary_host=members[0], active_processes=set(members),
-            barrier_sync_key_prefix=f"members-{_group.membership()}")
+            barrier_sync_key_prefix=f"members-{_devices.membership()}")
     return ocp.CheckpointManager(self._path, options=ocp.CheckpointManagerOptions(**options))
 
   @property
   def manager(self) -> ocp.CheckpointManager:
     """The Orbax manager, after a membership change a new one (see
-    :mod:`._orbax_barrier`): the old one's save in flight is abandoned, its
+    :mod:`snapstore.recovery.orbax_barrier`): the old one's save in flight is abandoned, its
     error logged, never committed."""
     if self._barrier is not None and self._barrier.stale():
       old, self._barrier = self._manager, None

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import _group
+from . import _devices
 from ._index import Index, normalize
-from ._layout import positions
+from ._tree import positions
 
 
 def host_domains(devices: Sequence[jax.Device], hosts_per_domain: int | None) -> dict[int, int]:
@@ -144,7 +144,7 @@ _AXIS = "snapstore_devices"
 
 def _device_mesh() -> Mesh:
   """All devices on one axis, in the order every process agrees on."""
-  return _mesh_of(tuple(_group.devices()))
+  return _mesh_of(tuple(_devices.devices()))
 
 
 @functools.lru_cache(maxsize=16)
@@ -184,7 +184,7 @@ def _to_bytes(x: jax.Array) -> jax.Array:
 # The permute is two programs, not one: packing (one byte buffer per device,
 # per-leaf work) does not depend on the device pairs, so after an in-place
 # heal's new device order it comes from the persistent compilation cache
-# (:mod:`._cache_keys`); only the one-op permute compiles again. As one
+# (:mod:`snapstore.recovery.cache_keys`); only the one-op permute compiles again. As one
 # program with the unpacking, the whole of it compiled again after every heal.
 @functools.lru_cache(maxsize=4096)  # one per batch layout: a large state has many batches
 def _pack_fn(mesh: Mesh, specs: tuple[P, ...] | None = None) -> Any:

@@ -19,9 +19,9 @@ import numpy as np
 
 from . import errors
 from ._index import Index, align, full, nbytes as index_nbytes, tiles, volume
-from ._layout import LeafKind, LeafSpec, spec_row
 from ._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceRecord
 from ._parity import PARITY_PATH, Layout
+from ._tree import LeafKind, LeafSpec, spec_row
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ the persistent tier.
 :class:`Restore` is one ``SnapshotManager.restore`` call: its target, the
 notes and timings it reports, and one method per attempt, in order:
 
-1. ``_sparse`` (multi-controller jobs): each host plans from its own
-   metadata and the few facts the hosts agree on (:mod:`._peers`); it may
+1. ``snapstore._multihost.sparse`` (multi-controller jobs): each host plans from its own
+   metadata and the few facts the hosts agree on (:mod:`snapstore._multihost.peers`); it may
    decline, naming why, and the full exchange follows;
 2. ``_snapshot``: every store's manifests, the freshest complete step
    read and placed; a bad copy is noted and another copy, else an older
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from . import _arena, _peers, _planner, _switch, errors
+from . import _arena, _multihost, _planner, _switch, errors
 from ._assemble import Assembler
-from ._layout import check_compatible, check_targets, flatten
 from ._manifest import copy_extra
+from ._tree import check_compatible, check_targets, flatten
 from .metrics import RestoreResult, Source
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class Restore:
                                       else []) if step is None or s == step]
     values = (max([mgr._newest_step] + [m.step for m in local]), mgr.incarnation,
               -(persistent_steps[-1] if persistent_steps else -1))
-    if isinstance(mgr._peers, _peers.Distributed):
+    if isinstance(mgr._peers, _multihost.Distributed):
       sparse = self._sparse(mgr._peers, local, persistent_steps, values)
       if isinstance(sparse, RestoreResult):
         return sparse
@@ -101,11 +101,11 @@ class Restore:
     self._branch_from(result.step, manifests)
     return result
 
-  def _sparse(self, peers: _peers.Distributed, local: Sequence[Any],
+  def _sparse(self, peers: _multihost.Distributed, local: Sequence[Any],
               persistent_steps: list[int], values: tuple[int, int, int]
               ) -> RestoreResult | str:
     """A multi-host restore from each host's own metadata
-    (:meth:`._peers.Distributed.restore`); or why every host's manifests
+    (:meth:`snapstore._multihost.peers.Distributed.restore`); or why every host's manifests
     must be exchanged instead."""
     mgr = self.mgr
     with _switch.collections_paused(mgr.options.pause_gc):

@@ -23,7 +23,7 @@ import jax
 
 from . import _arena, _backends, _interval, _planner, _switch, errors
 from ._arena import ArenaCache
-from ._layout import LeafSpec
+from ._tree import LeafSpec
 from .metrics import SaveMetrics
 from .options import BusyPolicy, FailurePolicy, SnapshotOptions
 

@@ -40,7 +40,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-  from .plan import from_size
+  from .capacity import from_size
   state = int(args.params * args.bytes_per_param)
   try:
     plans = from_size(state, hosts=args.hosts, hosts_per_domain=args.hosts_per_domain,
@@ -80,7 +80,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _parse_kill(text: str) -> Any:
   """``HOST@STEP[:PHASE][+lose][/INCARNATION]`` -> Kill."""
-  from .launch import Kill
+  from .testing import Kill
   m = re.fullmatch(r"(\d+)@(-?\d+)(?::(\w+))?(\+lose)?(?:/(\d+))?", text)
   if not m:
     raise argparse.ArgumentTypeError(
@@ -101,7 +101,7 @@ def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) 
 
 
 def _launch(args: argparse.Namespace) -> int:
-  from .launch import launch
+  from .testing import launch
   cmd = list(args.command)
   if cmd and cmd[0] == "--":
     cmd = cmd[1:]

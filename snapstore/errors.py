@@ -89,3 +89,26 @@ class StoreError(SnapstoreError, OSError):
 class UnsafeStoreError(StoreError):
   """The store or run directory is not safe to use: a symlink, not owned by
   this user, or writable by others. Nothing was read or changed."""
+
+
+# In-place recovery (snapstore.recovery)
+
+class RestartRequired(SnapstoreError, RuntimeError):
+  """In-place recovery is not possible here; exit with
+  :data:`snapstore.recovery.RESTART_EXIT_CODE` and let the supervisor restart the whole job."""
+
+
+class PeerFailed(SnapstoreError, RuntimeError):
+  """Another process's step failed; this one's is discarded too."""
+
+
+class MembersMissing(SnapstoreError, RuntimeError):
+  """Not every process of the job is live (a replacement is starting, or a
+  host hangs: the supervisor fences it). ``processes``: the missing ones;
+  ``since``: when they were last seen, if known (else when this process
+  began to wait)."""
+
+  def __init__(self, message: str, processes: tuple[int, ...] = (),
+               since: float | None = None):
+    super().__init__(message)
+    self.processes, self.since = processes, since

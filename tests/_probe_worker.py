@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from snapstore.launch import init_from_env
+from snapstore.testing import init_from_env
 
 
 def _v4(word: str) -> str:

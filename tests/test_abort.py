@@ -1,4 +1,4 @@
-"""Ending a gloo collective stuck on a dead or frozen peer (snapstore._abort)."""
+"""Ending a gloo collective stuck on a dead or frozen peer (snapstore.recovery.watchdog)."""
 
 import json
 import os
@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from snapstore import _abort, recovery
+from snapstore import recovery
+from snapstore.recovery import watchdog
 
 
 def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
@@ -25,13 +26,13 @@ def test_shut_down_ends_a_blocked_read_on_the_matching_sockets_only():
   server, client, accepted = _pair()
   other_server, other_client, other_accepted = _pair()
   port = server.getsockname()[1]
-  assert port in _abort.listening_ports()
+  assert port in watchdog.listening_ports()
   got: list[bytes] = []
   reader = threading.Thread(target=lambda: got.append(client.recv(10)))
   reader.start()
   time.sleep(0.2)
   assert reader.is_alive()  # blocked: nothing was sent
-  assert _abort.shut_down({port}, set()) == 1  # the accepted end only
+  assert watchdog.shut_down({port}, set()) == 1  # the accepted end only
   reader.join(10)
   assert not reader.is_alive() and got == [b""]  # EOF, as gloo sees it
   other_accepted.sendall(b"ok")  # the other pair is untouched
@@ -42,7 +43,7 @@ def test_shut_down_ends_a_blocked_read_on_the_matching_sockets_only():
 
 def test_shut_down_by_peer_port_takes_the_connecting_end():
   server, client, accepted = _pair()
-  assert _abort.shut_down(set(), {server.getsockname()[1]}) == 1
+  assert watchdog.shut_down(set(), {server.getsockname()[1]}) == 1
   assert accepted.recv(10) == b""
   for s in (server, client, accepted):
     s.close()
@@ -64,7 +65,7 @@ def service():
 
 
 def _beat(client, peer: int, *, age_s: float, process: str = "p") -> None:
-  client.key_value_set(f"{_abort.BEATS}/{peer}",
+  client.key_value_set(f"{watchdog.BEATS}/{peer}",
                        json.dumps({"t": time.time() - age_s, "ports": [], "process": process}),
                        allow_overwrite=True)
 
@@ -72,7 +73,7 @@ def _beat(client, peer: int, *, age_s: float, process: str = "p") -> None:
 @pytest.mark.parametrize("peer", ["silent", "replaced", "fresh", "not stuck"])
 def test_the_watchdog_aborts_only_when_stuck_and_a_peer_is_gone(service, peer):
   block = [time.monotonic()]
-  dog = _abort.Watchdog(service, 0, 2, after_s=1.0, in_block=lambda: block[0], gloo_ports=set())
+  dog = watchdog.Watchdog(service, 0, 2, after_s=1.0, in_block=lambda: block[0], gloo_ports=set())
   _beat(service, 1, age_s=0.0, process="first")
   dog.check()  # the block begins: process 1 is "first"
   time.sleep(1.1)  # stuck in that block for longer than after_s
@@ -96,7 +97,7 @@ def test_the_watchdog_aborts_only_when_stuck_and_a_peer_is_gone(service, peer):
 
 def test_a_peer_that_never_beat_counts_from_the_watchdogs_start(service):
   since = time.monotonic() - 5.0
-  dog = _abort.Watchdog(service, 0, 2, after_s=1.0, in_block=lambda: since, gloo_ports=set())
+  dog = watchdog.Watchdog(service, 0, 2, after_s=1.0, in_block=lambda: since, gloo_ports=set())
   dog.check()  # the block's first check records who is in it
   dog.check()
   assert dog.aborts == []  # started just now: process 1 may not have begun
@@ -134,7 +135,7 @@ def test_a_collective_stuck_on_a_frozen_peer_fails_without_the_collective_timeou
 
 def test_a_replaced_peer_is_acted_on_before_after_s_a_silent_one_is_not(service):
   block = [time.monotonic()]
-  dog = _abort.Watchdog(service, 0, 3, after_s=30.0, in_block=lambda: block[0],
+  dog = watchdog.Watchdog(service, 0, 3, after_s=30.0, in_block=lambda: block[0],
                         gloo_ports=set())
   assert dog.replaced_after_s == 2 * dog.period_s
   _beat(service, 1, age_s=0.0, process="one")

@@ -6,8 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from snapstore import _agree, _moves, _sparse
-from snapstore._collective import NONE, bucket, gather_blobs
+from snapstore._multihost import agree, moves, sparse
+from snapstore._multihost.collective import NONE, bucket, gather_blobs
 from snapstore._planner import REBUILT
 
 
@@ -30,7 +30,7 @@ def _cands(n, stores, **kw):
   def one(coll):
     reasons = []
     got = [(c.step, c.incarnation, tuple(c.holders.tolist())) for c in
-           _agree.candidates(coll, stores[coll.host], reasons=reasons, **kw)]
+           agree.candidates(coll, stores[coll.host], reasons=reasons, **kw)]
     return got, reasons
   out = _hosts(n, one)
   assert all(o == out[0] for o in out)  # every host draws the same
@@ -65,8 +65,8 @@ def test_a_step_a_newer_incarnation_abandoned_is_fenced(manifest):
 
 def test_restoring_before_this_incarnation_s_newest_step_starts_a_new_one(manifest):
   stores = [[_m(manifest, h, s, 2) for s in (5, 6)] for h in range(2)]
-  assert _hosts(2, lambda c: _agree.branch(c, stores[c.host], 5, 2)) == [3, 3]
-  assert _hosts(2, lambda c: _agree.branch(c, stores[c.host], 6, 2)) == [2, 2]
+  assert _hosts(2, lambda c: agree.branch(c, stores[c.host], 5, 2)) == [3, 3]
+  assert _hosts(2, lambda c: agree.branch(c, stores[c.host], 6, 2)) == [2, 2]
 
 
 @pytest.mark.parametrize("values", [(0, 1, -1), (2**48, 7, -(2**48)), (-5, 3, 2**31 + 5)])
@@ -75,8 +75,8 @@ def test_min64_and_max64_are_exact_over_int32_reductions(values):
   pick = lambda c: values if c.host == 0 else other  # noqa: E731
   lo = tuple(min(a, b) for a, b in zip(values, other, strict=True))
   hi = tuple(max(a, b) for a, b in zip(values, other, strict=True))
-  assert _hosts(2, lambda c: _agree.min64(c, pick(c))) == [lo, lo]
-  assert _hosts(2, lambda c: _agree.max64(c, pick(c))) == [hi, hi]
+  assert _hosts(2, lambda c: agree.min64(c, pick(c))) == [lo, lo]
+  assert _hosts(2, lambda c: agree.max64(c, pick(c))) == [hi, hi]
 
 
 def test_gather_blobs_lays_the_senders_blobs_end_to_end():
@@ -87,8 +87,8 @@ def test_gather_blobs_lays_the_senders_blobs_end_to_end():
 
 
 def _planned(needs, holder, nbytes):
-  cand = _agree.Candidate(1, 0, 0, np.array([0]), False)
-  return _sparse.Planned(cand, None, tuple(needs), tuple(holder), tuple(nbytes), (), ())
+  cand = agree.Candidate(1, 0, 0, np.array([0]), False)
+  return sparse.Planned(cand, None, tuple(needs), tuple(holder), tuple(nbytes), (), ())
 
 
 def test_rounds_send_and_receive_at_most_once_a_host_and_move_every_need_once():
@@ -96,15 +96,15 @@ def test_rounds_send_and_receive_at_most_once_a_host_and_move_every_need_once():
   needs, holder, nbytes = [], [], []
   for i in range(200):
     dst = int(rng.integers(8))
-    needs.append(_sparse.Need(dst, i, ((0, 1),)))
+    needs.append(sparse.Need(dst, i, ((0, 1),)))
     holder.append(int((dst + rng.integers(1, 8)) % 8))
     nbytes.append(int(rng.integers(1, 50)) << 20)
   planned = _planned(needs, holder, nbytes)
   moved = []
-  for r in _moves.rounds(planned):
+  for r in moves.rounds(planned):
     assert len({b.src for b in r}) == len(r) and len({b.dst for b in r}) == len(r)
     for b in r:
-      assert b.nbytes <= max(_moves.BATCH_BYTES, max(it.nbytes for it in b.items))
+      assert b.nbytes <= max(moves.BATCH_BYTES, max(it.nbytes for it in b.items))
       assert all(holder[it.ref] == b.src and needs[it.ref].needer == b.dst for it in b.items)
       moved.extend(it.ref for it in b.items)
   assert sorted(moved) == list(range(200))
@@ -112,25 +112,25 @@ def test_rounds_send_and_receive_at_most_once_a_host_and_move_every_need_once():
 
 def test_a_need_no_host_holds_is_lost_or_rebuilt_or_a_layout_fallback():
   specs = [type("S", (), {"path": "w"})()]
-  needs = [_sparse.Need(1, 0, ((0, 4),))]
-  cand = _agree.Candidate(3, 0, 0, np.array([0, 2]), False)
-  assert _sparse.verdict(needs, np.array([2, NONE], np.int32), cand, 4, specs) == (3,)
-  got = _sparse.verdict(needs, np.array([NONE, NONE], np.int32), cand, 4, specs)
-  assert isinstance(got, _sparse.Lost) and "host 1's piece" in got.why and "'w'" in got.why
-  got = _sparse.verdict(needs, np.array([NONE, 1], np.int32), cand, 4, specs)
-  assert isinstance(got, _sparse.Fallback) and "target layout differs" in got.why
-  parity = _agree.Candidate(3, 0, 0, np.array([0, 2]), True)
-  got = _sparse.verdict(needs, np.array([NONE, NONE], np.int32), parity, 4, specs)
+  needs = [sparse.Need(1, 0, ((0, 4),))]
+  cand = agree.Candidate(3, 0, 0, np.array([0, 2]), False)
+  assert sparse.verdict(needs, np.array([2, NONE], np.int32), cand, 4, specs) == (3,)
+  got = sparse.verdict(needs, np.array([NONE, NONE], np.int32), cand, 4, specs)
+  assert isinstance(got, sparse.Lost) and "host 1's piece" in got.why and "'w'" in got.why
+  got = sparse.verdict(needs, np.array([NONE, 1], np.int32), cand, 4, specs)
+  assert isinstance(got, sparse.Fallback) and "target layout differs" in got.why
+  parity = agree.Candidate(3, 0, 0, np.array([0, 2]), True)
+  got = sparse.verdict(needs, np.array([NONE, NONE], np.int32), parity, 4, specs)
   assert got == (REBUILT,)  # its stripes are asked next (_rebuild)
 
 
 def test_a_header_that_does_not_match_the_agreed_digest_is_refused():
   import msgpack
   blob = msgpack.packb([[], [], None, 1 << 20, "d" * 32, 2], use_bin_type=True)
-  header = _sparse.header_from(blob, _agree.digest_of(blob))
+  header = sparse.header_from(blob, agree.digest_of(blob))
   assert header.chunk_bytes == 1 << 20 and header.num_hosts == 2
   with pytest.raises(ValueError, match="does not match the digest"):
-    _sparse.header_from(blob, _agree.digest_of(blob) ^ 1)
+    sparse.header_from(blob, agree.digest_of(blob) ^ 1)
 
 
 def test_collective_buckets_grow_by_at_most_an_eighth():
@@ -170,11 +170,11 @@ def test_keepers_are_found_whatever_domain_size_the_save_used(shift):
                                      for i, s in enumerate(STEPS)] for h in range(n)}
 
   def one(coll):
-    cand = next(_agree.candidates(coll, stores[coll.host]))
-    return _sparse.plan(coll, _sparse.manifests_at(stores[coll.host], cand), cand,
+    cand = next(agree.candidates(coll, stores[coll.host]))
+    return sparse.plan(coll, sparse.manifests_at(stores[coll.host], cand), cand,
                         layout.specs, targets_of(layout, coll.host))
   got = _hosts(n, one)
-  assert all(isinstance(p, _sparse.Planned) for p in got)
+  assert all(isinstance(p, sparse.Planned) for p in got)
   p = got[0]
   assert {nd.needer for nd in p.needs} == {lost}
   sharded = {i for i, a in enumerate(layout.axes) if a is not None}
@@ -188,49 +188,49 @@ def _offer(stripe, block, members, layout=None, usable=True, length=24):
 
 
 def test_a_stripe_rebuilds_with_one_lost_member_and_every_other_block():
-  from snapstore import _rebuild
+  from snapstore._multihost import rebuild
   members = (0, 1, 2, 3)
   layout = [[[0, [[m * 2, m * 2 + 2]]]] for m in members]  # one piece a member
   rows = {1: [_offer(7, 1, members, layout)], 2: [_offer(7, 2, members)],
           3: [_offer(7, 3, members)]}
-  got, why = _rebuild.decide(5, rows, {0}, [(0, 0, ((0, 2),))], num_leaves=1)
+  got, why = rebuild.decide(5, rows, {0}, [(0, 0, ((0, 2),))], num_leaves=1)
   assert why is None and [(s.stripe, s.lost, s.needers) for s in got] == [(7, 0, (0,))]
   # host 0's piece needed by host 2 instead (the target order moved it)
-  got, _ = _rebuild.decide(5, rows, {0}, [(2, 0, ((0, 2),))], num_leaves=1)
+  got, _ = rebuild.decide(5, rows, {0}, [(2, 0, ((0, 2),))], num_leaves=1)
   assert got[0].needers == (2,)
 
 
 def test_a_stripe_that_cannot_rebuild_says_why_naming_its_group():
-  from snapstore import _rebuild
+  from snapstore._multihost import rebuild
   members = (0, 1, 2, 3)
   layout = [[[0, [[m * 2, m * 2 + 2]]]] for m in members]
   want = [(0, 0, ((0, 2),))]
   two = {1: [_offer(7, 1, members)], 3: [_offer(7, 3, members)]}
-  _, why = _rebuild.decide(5, two, {0, 2}, want, num_leaves=1)
+  _, why = rebuild.decide(5, two, {0, 2}, want, num_leaves=1)
   assert why == ("step 5: the group of hosts [0, 1, 2, 3] (stripe 7) lost hosts [0, 2]; "
                  "parity rebuilds one lost host of a group")
   bad = {1: [_offer(7, 1, members, layout)], 2: [_offer(7, 2, members, usable=False)],
          3: [_offer(7, 3, members)]}
-  _, why = _rebuild.decide(5, bad, {0}, want, num_leaves=1)
+  _, why = rebuild.decide(5, bad, {0}, want, num_leaves=1)
   assert "parity blocks of hosts [2] are unusable" in why
   broken = {1: [_offer(7, 1, members, [[[9, [[0, 2]]]]] * 4)], 2: [_offer(7, 2, members)],
             3: [_offer(7, 3, members)]}
-  _, why = _rebuild.decide(5, broken, {0}, want, num_leaves=1)
+  _, why = rebuild.decide(5, broken, {0}, want, num_leaves=1)
   assert "layout is malformed" in why and "leaf 9" in why
   ok = {1: [_offer(7, 1, members, layout)], 2: [_offer(7, 2, members)],
         3: [_offer(7, 3, members)]}
-  _, why = _rebuild.decide(5, ok, {0}, [(0, 0, ((4, 6),))], num_leaves=1)
+  _, why = rebuild.decide(5, ok, {0}, [(0, 0, ((4, 6),))], num_leaves=1)
   assert "no surviving copy or parity stripe of host 0's piece" in why
 
 
 def test_offers_that_disagree_on_a_stripe_lose_the_step_on_every_host():
-  from snapstore import _rebuild
+  from snapstore._multihost import rebuild
   members = (0, 1, 2, 3)
   want = [(0, 0, ((0, 2),))]
   twice = {1: [_offer(7, 1, members)], 2: [_offer(7, 1, members)], 3: [_offer(7, 3, members)]}
   other = {1: [_offer(7, 1, members)], 2: [_offer(7, 2, (0, 1, 2, 5))]}
   for rows in (twice, other):
-    _, why = _rebuild.decide(5, rows, {0}, want, num_leaves=1)
+    _, why = rebuild.decide(5, rows, {0}, want, num_leaves=1)
     assert why == "step 5: the parity blocks of stripe 7 disagree on its layout"
 
 
@@ -248,11 +248,11 @@ def test_a_live_host_s_bad_copy_is_rebuilt_from_its_stripe():
   bad = {(2, STEPS[-1], leaf, region)}
 
   def one(coll):
-    cand = next(_agree.candidates(coll, stores[coll.host]))
-    return _sparse.plan(coll, _sparse.manifests_at(stores[coll.host], cand), cand,
+    cand = next(agree.candidates(coll, stores[coll.host]))
+    return sparse.plan(coll, sparse.manifests_at(stores[coll.host], cand), cand,
                         layout.specs, targets_of(layout, coll.host), bad=bad)
   got = _hosts(n, one)
-  assert all(isinstance(p, _sparse.Planned) for p in got), got
+  assert all(isinstance(p, sparse.Planned) for p in got), got
   p = got[0]
   assert [(nd.needer, nd.region, nd.own_bad) for nd in p.needs] == [(2, region, True)]
   assert p.holder == (REBUILT,)

@@ -20,13 +20,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from snapstore import (
-  BudgetExceededError,
-  BusyPolicy,
-  SnapshotManager,
-  SnapshotOptions,
-  Source,
-  StepNotFoundError,
-  StoreKind,
+    BudgetExceededError,
+    BusyPolicy,
+    SnapshotManager,
+    SnapshotOptions,
+    Source,
+    StepNotFoundError,
+    StoreKind,
 )
 from tests.helpers import assert_bitwise_equal, host_copy
 

@@ -11,8 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 80
-# the harness: the local supervisor, the CLI that runs it, the demo's job
-HARNESS = {"launch.py", "cli.py", "__main__.py"}
+# the harness: the local supervisor and its worker side, the CLI, the demo's job
+HARNESS = {"testing", "cli.py", "__main__.py", "demo"}
+# folders whose __init__.py is their interface
+COMPONENTS = {"_backends", "_multihost", "recovery", "testing"}
 
 
 def _modules(top: str) -> list[Path]:
@@ -29,19 +31,49 @@ def test_no_function_is_longer_than_80_lines(top):
   assert long == [], "split these into named steps:\n" + "\n".join(long)
 
 
+def _imports(path: Path) -> list[tuple[int, str]]:
+  """(line, absolute module) for each import in ``path``; ``from X import y``
+  gives ``X.y`` where that is a module, else ``X``."""
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  package = parts[:-1]
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      out += [(node.lineno, a.name) for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = list(package[:len(package) - node.level + 1]) if node.level else []
+      mod = ".".join(base + ([node.module] if node.module else []))
+      for a in node.names:
+        sub = f"{mod}.{a.name}"
+        is_module = (ROOT / sub.replace(".", "/")).with_suffix(".py").exists() or (
+            ROOT / sub.replace(".", "/") / "__init__.py").exists()
+        out.append((node.lineno, sub if is_module else mod))
+  return out
+
+
 def test_the_engine_never_imports_the_harness():
-  """Only the supervisor, the CLI and the demo import ``snapstore.launch``;
-  the engine speaks to a supervisor through ``snapstore._reports``."""
+  """Only the CLI and the demo import ``snapstore.testing``; the engine
+  speaks to a supervisor through ``snapstore._reports``."""
+  found = [f"{path.relative_to(ROOT)}:{line} {mod}"
+           for path in _modules("snapstore")
+           if path.relative_to(ROOT / "snapstore").parts[0] not in HARNESS
+           for line, mod in _imports(path)
+           if mod.split(".")[:2] == ["snapstore", "testing"]]
+  assert found == [], found
+
+
+@pytest.mark.parametrize("top", ["snapstore", "integrations"])
+def test_a_component_folder_is_entered_through_its_package(top):
+  """Outside ``snapstore/F/``, code imports ``snapstore.F`` itself, never
+  one of its modules: each folder's ``__init__.py`` is its whole interface."""
   found = []
-  for path in _modules("snapstore"):
-    rel = path.relative_to(ROOT / "snapstore")
-    if rel.name in HARNESS or rel.parts[0] == "demo":
-      continue
-    for node in ast.walk(ast.parse(path.read_text())):
-      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-               [f"{node.module or ''}.{a.name}" for a in node.names]
-               if isinstance(node, ast.ImportFrom) else [])
-      found += [f"{rel}:{node.lineno} {n}" for n in names if "launch" in n.split(".")]
+  for path in _modules(top):
+    here = path.relative_to(ROOT).parts
+    for line, mod in _imports(path):
+      m = mod.split(".")
+      if (len(m) > 2 and m[0] == "snapstore" and m[1] in COMPONENTS
+          and tuple(here[:2]) != ("snapstore", m[1])):
+        found.append(f"{path.relative_to(ROOT)}:{line} {mod}")
   assert found == [], found
 
 

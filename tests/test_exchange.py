@@ -1,6 +1,6 @@
 """The multi-host exchange's sizes (its collectives run in tests/test_multihost.py)."""
 
-from snapstore._exchange import bucket
+from snapstore._multihost.exchange import bucket
 
 
 def test_an_exchange_is_padded_to_one_of_few_sizes_and_at_most_an_eighth():

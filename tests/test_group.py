@@ -1,11 +1,11 @@
-"""The agreed device order after a heal (snapstore._group): every device
+"""The agreed device order after a heal (snapstore._devices): every device
 group that holds a replacement's device is new; every process draws the same."""
 
 import dataclasses
 
 import pytest
 
-from snapstore import _group
+from snapstore import _devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,7 +14,7 @@ class Dev:  # what rekeyed reads of a jax.Device
 
 
 def test_cliques_are_the_groups_of_every_reshape():
-  c = _group.cliques([0, 1, 2, 3])
+  c = _devices.cliques([0, 1, 2, 3])
   assert {(0, 1, 2, 3), (0, 1), (2, 3), (0, 2), (1, 3)} <= c
   assert (1, 0) not in c and (0, 3) not in c
 
@@ -22,15 +22,15 @@ def test_cliques_are_the_groups_of_every_reshape():
 @pytest.mark.parametrize("hosts,per_host", [(4, 2), (3, 2), (8, 1)])
 def test_rekeyed_order_has_only_new_groups_with_a_replacement(hosts, per_host):
   devices = [Dev(h * 2048 + j) for h in range(hosts) for j in range(per_host)]
-  used = _group.cliques([d.id for d in devices])  # the default order, used so far
+  used = _devices.cliques([d.id for d in devices])  # the default order, used so far
   replaced = {d.id for d in devices[per_host:2 * per_host]}  # host 1 rejoined
   live = {d: (7 if d.id in replaced else 1) for d in devices}
-  order = _group.rekeyed(live, used, replaced)
+  order = _devices.rekeyed(live, used, replaced)
   assert order is not None and sorted(order, key=lambda d: d.id) == devices
-  fresh = [c for c in _group.cliques([d.id for d in order]) if replaced & set(c)]
+  fresh = [c for c in _devices.cliques([d.id for d in order]) if replaced & set(c)]
   assert fresh and not any(c in used for c in fresh)
-  assert _group.rekeyed(dict(reversed(list(live.items()))), used, replaced) == order
-  other = _group.rekeyed({d: i + 9 for d, i in live.items()}, used, replaced)
+  assert _devices.rekeyed(dict(reversed(list(live.items()))), used, replaced) == order
+  other = _devices.rekeyed({d: i + 9 for d, i in live.items()}, used, replaced)
   assert other != order  # another incarnation, another draw
 
 
@@ -42,26 +42,26 @@ def test_two_heals_in_a_row_find_an_order_for_any_incarnations():
   devices = [Dev(h * 2048 + j) for h in range(4) for j in range(2)]
   every = {d.id for d in devices}
   for seed in range(100):
-    used = _group.cliques([d.id for d in devices])
+    used = _devices.cliques([d.id for d in devices])
     for heal in range(2):
-      order = _group.rekeyed({d: seed * 10 + heal + (d.id == 0) for d in devices},
+      order = _devices.rekeyed({d: seed * 10 + heal + (d.id == 0) for d in devices},
                              used, every)
       assert order is not None, (seed, heal)
-      groups = _group.cliques([d.id for d in order])
+      groups = _devices.cliques([d.id for d in order])
       assert not groups & used
       used |= groups
 
 
 def test_only_cpu_draws_new_device_orders():
-  from snapstore import _group
-  assert _group.rekey_needed("cpu")
-  assert not _group.rekey_needed("gpu") and not _group.rekey_needed("tpu")
+  from snapstore import _devices
+  assert _devices.rekey_needed("cpu")
+  assert not _devices.rekey_needed("gpu") and not _devices.rekey_needed("tpu")
 
 
 def test_no_order_left_is_none():
   devices = [Dev(0), Dev(1)]
   used = {(0, 1), (1, 0)}
-  assert _group.rekeyed({d: 1 for d in devices}, used, {1}) is None
+  assert _devices.rekeyed({d: 1 for d in devices}, used, {1}) is None
 
 
 _CACHED = """
@@ -73,8 +73,8 @@ jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 if sys.argv[-1] == "share":  # else JAX's own keys
-  from snapstore import _cache_keys
-  _cache_keys.share()
+  from snapstore.recovery import cache_keys
+  cache_keys.share()
 """
 
 
@@ -177,21 +177,21 @@ def test_a_cpu_topology_without_its_devices_keeps_the_rest():
   import jax
   from jax._src.lib import xla_client
 
-  from snapstore import _cache_keys
+  from snapstore.recovery import cache_keys
   _need_serialized_topology()
   topology = xla_client.get_topology_for_devices(jax.devices()).serialize()
-  kept = _cache_keys.without_devices(topology)
+  kept = cache_keys.without_devices(topology)
   assert len(kept) < len(topology)  # 8 device entries gone
-  assert _cache_keys.without_devices(kept) == kept
-  machine = next(p for n, _, p in _cache_keys._fields(topology) if n == 9)
-  inner = next(p for n, _, p in _cache_keys._fields(machine) if n == 2)
-  fields = list(_cache_keys._fields(inner))
+  assert cache_keys.without_devices(kept) == kept
+  machine = next(p for n, _, p in cache_keys._fields(topology) if n == 9)
+  inner = next(p for n, _, p in cache_keys._fields(machine) if n == 2)
+  fields = list(cache_keys._fields(inner))
   assert all(raw in kept for n, raw, _ in fields if n != 1)  # the target machine stays
   assert len(topology) - len(kept) >= sum(len(raw) for n, raw, _ in fields if n == 1) > 0
   with pytest.raises(ValueError):
-    _cache_keys.without_devices(b"\x0f")  # wire type 7
+    cache_keys.without_devices(b"\x0f")  # wire type 7
   with pytest.raises(ValueError):
-    _cache_keys.without_devices(b"\x0a\x05ab")  # a field running past the end
+    cache_keys.without_devices(b"\x0a\x05ab")  # a field running past the end
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "ten", "2.5"])
@@ -199,12 +199,12 @@ def test_a_bad_collective_timeout_in_the_environment_is_refused_naming_it(monkey
   from snapstore import recovery
   monkeypatch.setenv(recovery.COLLECTIVE_TIMEOUT_ENV, value)
   with pytest.raises(ValueError, match=recovery.COLLECTIVE_TIMEOUT_ENV):
-    recovery._timeout_from_env()
+    recovery.service._timeout_from_env()
 
 
 def test_the_collective_timeout_comes_from_the_environment_else_30(monkeypatch):
   from snapstore import recovery
   monkeypatch.delenv(recovery.COLLECTIVE_TIMEOUT_ENV, raising=False)
-  assert recovery._timeout_from_env() == 30
+  assert recovery.service._timeout_from_env() == 30
   monkeypatch.setenv(recovery.COLLECTIVE_TIMEOUT_ENV, "7")
-  assert recovery._timeout_from_env() == 7
+  assert recovery.service._timeout_from_env() == 7

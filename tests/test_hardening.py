@@ -355,7 +355,7 @@ def test_hostile_manifests_are_refused_cheaply(store_dir):
   big = dataclasses.replace(m.leaves[w], shape=(3000, 3000))
   leaves = tuple(big if i == w else s for i, s in enumerate(m.leaves))
   pieces = tuple(PieceRecord(w, ((i, i + 1), (i, i + 1)), 0, 4, (0,), 0) for i in range(3000))
-  from snapstore._layout import tree_digest
+  from snapstore._tree import tree_digest
   hostile = dataclasses.replace(m, leaves=leaves, pieces=pieces, tree_digest=tree_digest(leaves))
   with pytest.raises(snapstore.CorruptSnapshotError, match="overlap"):
     decode(encode(hostile))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from snapstore.launch import Kill, launch
+from snapstore.testing import Kill, launch
 
 pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from snapstore import errors
-from snapstore._layout import LeafKind, addressable_pieces, flatten
+from snapstore._tree import LeafKind, addressable_pieces, flatten
 
 SPECS = [P(), P("x"), P("y"), P("x", "y"), P(None, "y"), P("y", "x")]
 
@@ -68,14 +68,14 @@ def test_a_structure_refused_once_is_refused_every_time():
 
 
 def test_a_shard_is_checked_against_its_device_not_trusted_by_position(mesh, monkeypatch):
-  from snapstore import _layout
+  from snapstore import _tree
   sharding = NamedSharding(mesh, P("x", "y"))
   host = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
   arr = jax.device_put(host, sharding)
-  true = _layout.positions(arr)
+  true = _tree.positions(arr)
   ids = sorted(true)
   lying = {d: true[ids[(k + 1) % len(ids)]] for k, d in enumerate(ids)}  # off by one
-  monkeypatch.setitem(_layout._POSITIONS, sharding, lying)
+  monkeypatch.setitem(_tree._POSITIONS, sharding, lying)
   for piece, data in addressable_pieces(0, arr):
     window = tuple(slice(a, b) for a, b in piece.index)
     np.testing.assert_array_equal(np.asarray(data), host[window])
@@ -85,9 +85,9 @@ def test_a_shard_is_checked_against_its_device_not_trusted_by_position(mesh, mon
 def test_shards_of_a_mesh_in_any_device_order_hold_their_own_bytes(shard_list, monkeypatch):
   """Devices in a shuffled order: each piece's data is its own region,
   read from JAX's list of single-device arrays or shard by shard."""
-  from snapstore import _layout
+  from snapstore import _tree
   if not shard_list:
-    monkeypatch.setattr(_layout, "_shards", lambda arr: None)
+    monkeypatch.setattr(_tree, "_shards", lambda arr: None)
   order = np.random.default_rng(7).permutation(8)
   mesh = Mesh(np.array(jax.devices()[:8])[order].reshape(4, 2), ("x", "y"))
   host = np.arange(8 * 6, dtype=np.int32).reshape(8, 6)

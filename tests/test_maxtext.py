@@ -22,7 +22,7 @@ maxtext = pytest.importorskip(
            "requirements/maxtext-0.2.5-cpu.txt)")
 
 from benchmarks.maxtext import MODULE, base_yml, grain_args, run_job  # noqa: E402
-from snapstore.launch import Kill  # noqa: E402
+from snapstore.testing import Kill  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 

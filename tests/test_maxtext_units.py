@@ -6,11 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from snapstore.integrations.maxtext import MaxTextConfigError, snapshot_options, split_snapshot_keys
+from snapstore.integrations.maxtext import (
+    MaxTextConfigError,
+    snapshot_options,
+    split_snapshot_keys,
+)
 from snapstore.integrations.maxtext.train import (
-  ITERATOR_ROW_BYTES,
-  _iterator_rows,
-  _set_iterator_state,
+    ITERATOR_ROW_BYTES,
+    _iterator_rows,
+    _set_iterator_state,
 )
 
 

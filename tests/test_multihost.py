@@ -18,8 +18,8 @@ import pytest
 from snapstore import OrbaxTier
 from snapstore._backends.hostfiles.store import host_dir
 from snapstore._manifest import decode
-from snapstore.launch import Kill, launch
 from snapstore.recovery import REPLACEMENT_WAIT_ENV
+from snapstore.testing import Kill, launch
 
 pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 

@@ -15,7 +15,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from snapstore import SnapshotOptions, _parity, _planner, errors
 from snapstore._checksum import ChecksumKind
 from snapstore._index import to_slices
-from snapstore._layout import flatten, tree_digest
 from snapstore._manifest import (
   PARITY_LEAF,
   Manifest,
@@ -25,6 +24,7 @@ from snapstore._manifest import (
   encode,
   member_length,
 )
+from snapstore._tree import flatten, tree_digest
 from tests.helpers import assert_bitwise_equal
 
 
@@ -274,10 +274,10 @@ def test_leaves_in_host_memory_or_complex_keep_full_replicas_not_parity(store_di
 
 
 def test_a_rebuild_sum_larger_than_a_batch_is_summed_in_batches(monkeypatch):
-  from snapstore import _exchange
-  monkeypatch.setattr(_exchange, "BATCH_BYTES", 64)
+  from snapstore._multihost import exchange
+  monkeypatch.setattr(exchange, "BATCH_BYTES", 64)
   words = np.arange(1000, dtype=np.uint32) * np.uint32(2654435761)
-  np.testing.assert_array_equal(_exchange.sum_words(words), words)  # one process: itself
+  np.testing.assert_array_equal(exchange.sum_words(words), words)  # one process: itself
 
 
 def test_inspect_verifies_parity_blocks_and_says_what_restore_would_rebuild(store_dir, capsys):

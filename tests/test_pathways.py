@@ -249,10 +249,10 @@ def test_a_load_into_numpy_leaves_every_slice_active(slices, store_dir):
 
 @pytest.mark.parametrize("store", [StoreKind.PINNED_HOST, StoreKind.HOST_FILES])
 def test_save_never_drops_a_step_silently(store, store_dir, monkeypatch):
-  from snapstore._backends.hostfiles import capture as _capture
+  from snapstore._backends import _copy
   from snapstore._backends.pinned import capture as _pinned_capture
   slow = threading.Event()
-  real_drain, real_wait = _capture.drain, _pinned_capture.PinnedCapture.wait
+  real_drain, real_wait = _copy.drain, _pinned_capture.PinnedCapture.wait
 
   def slow_drain(*a, **k):
     slow.wait(2)
@@ -261,7 +261,7 @@ def test_save_never_drops_a_step_silently(store, store_dir, monkeypatch):
   def slow_wait(self):
     slow.wait(2)
     return real_wait(self)
-  monkeypatch.setattr(_capture, "drain", slow_drain)
+  monkeypatch.setattr(_copy, "drain", slow_drain)
   monkeypatch.setattr(_pinned_capture.PinnedCapture, "wait", slow_wait)
   devs = jax.devices()
   for policy in (BusyPolicy.SKIP, BusyPolicy.WAIT):

@@ -16,14 +16,20 @@ import numpy as np
 import pytest
 
 from snapstore import (
-  BudgetExceededError,
-  SnapshotManager,
-  SnapshotOptions,
-  Source,
-  StoreKind,
-  TreeMismatchError,
+    BudgetExceededError,
+    SnapshotManager,
+    SnapshotOptions,
+    Source,
+    StoreKind,
+    TreeMismatchError,
 )
-from snapstore._checksum import ChecksumKind, _sums, as_checksum, device_checksum, shard_checksums
+from snapstore._checksum import (
+    ChecksumKind,
+    _sums,
+    as_checksum,
+    device_checksum,
+    shard_checksums,
+)
 from tests.helpers import assert_bitwise_equal, host_copy
 from tests.test_pathways import abstract, make_state
 

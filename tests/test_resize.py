@@ -4,8 +4,8 @@ domains, and the supervisor's arguments (the real jobs: test_multihost)."""
 import pytest
 
 from snapstore._placement import host_rings
-from snapstore.launch import launch
 from snapstore.recovery import MIN_HOSTS_ENV, REPLACEMENT_WAIT_ENV, ResizePolicy
+from snapstore.testing import launch
 
 
 @pytest.mark.parametrize("domains, replicas", [

@@ -25,7 +25,7 @@ external checkpoint engine; these are the ones its loop looks up on the
   restore (Orbax, or a fresh init).
 
 Under ``snapstore launch`` (``$SNAPSTORE_COORDINATOR`` set), the process joins
-the job with :func:`snapstore.launch.init_from_env` first; MaxText's CPU
+the job with :func:`snapstore.testing.worker.init_from_env` first; MaxText's CPU
 start-up then finds ``jax.distributed`` initialized and skips its own (which
 hard-codes port 1234). Each process writes a report (restores, losses,
 digests of the global state) to ``$SNAPSTORE_REPORT_DIR``.
@@ -261,7 +261,7 @@ class _Engine:
     if self._report_dir:
       import jax
 
-      from snapstore.launch import incarnation_from_env, report_restore
+      from snapstore.testing import incarnation_from_env, report_restore
       if jax.process_index() == 0:
         report_restore(summary, incarnation_from_env() or 0)
     self._write()
@@ -274,7 +274,7 @@ class _Engine:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from snapstore.launch import global_digest, incarnation_from_env, report_digest
+    from snapstore.testing import global_digest, incarnation_from_env, report_digest
     mesh = next(x.sharding.mesh for x in jax.tree.leaves(state)
                 if isinstance(getattr(x, "sharding", None), NamedSharding))
     value = global_digest(state, NamedSharding(mesh, PartitionSpec()))
@@ -406,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   global current
   current = engine
   if os.environ.get("SNAPSTORE_COORDINATOR"):  # under snapstore launch: join first
-    from snapstore.launch import init_from_env
+    from snapstore.testing import init_from_env
     init_from_env()
   from maxtext.common import checkpointing, metric_logger
   from maxtext.trainers.pre_train import train

@@ -17,6 +17,7 @@ import jax
 from ..options import SnapshotOptions, StoreKind
 from .base import NO_PROGRESS, Backend, Header
 from .hostfiles.backend import HostFilesBackend
+from .hostfiles.store import host_dir, open_regular, read_progress, scan
 from .pinned.backend import PinnedHostBackend
 from .pinned.store import supports_pinned_host
 
@@ -27,7 +28,11 @@ __all__ = [
   "HostFilesBackend",
   "PinnedHostBackend",
   "choose",
+  "host_dir",
+  "open_regular",
+  "read_progress",
   "resolve_kind",
+  "scan",
 ]
 
 

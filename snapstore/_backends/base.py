@@ -28,8 +28,8 @@ from typing import Any, Protocol, TypeVar
 
 from .. import _planner
 from .._assemble import PieceSource
-from .._layout import LeafSpec
 from .._manifest import Manifest
+from .._tree import LeafSpec
 from ..options import StoreKind
 
 # read_progress() of a store that was never asked to save.

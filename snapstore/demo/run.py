@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .._backends.hostfiles.store import host_dir, read_progress
-from ..launch import Incarnation, Kill, launch
+from .._backends import host_dir, read_progress
+from ..testing import Incarnation, Kill, launch
 
 HOSTS, DEVICES_PER_HOST, KILLED_HOST = 4, 2, 1
 Progress = Callable[[str, int], None]

@@ -1,4 +1,4 @@
-"""One host of a multi-process training job (run by ``snapstore.launch``).
+"""One host of a multi-process training job (run by ``snapstore.testing.supervisor``).
 
 ``python -m snapstore.demo.worker --steps N --out DIR --store DIR --run-id R
 [--persistent PATH --checkpoint-every K] [--hosts-per-domain H] [--replicas R]``
@@ -65,7 +65,7 @@ class _Worker:
   report, and host 0's digests and restores for the supervisor)."""
 
   def __init__(self, a: argparse.Namespace, started: float) -> None:
-    from snapstore.launch import in_place_from_env, init_from_env
+    from snapstore.testing import in_place_from_env, init_from_env
     self.a = a
     self.host, self.host_count, self.inc = init_from_env()
     import jax
@@ -101,7 +101,7 @@ class _Worker:
   def digest(self, trainer: Any, state: Any, step: int) -> str:
     """The global state's sha256 (every host gets every byte: one jitted
     all-gather on the trainer's mesh)."""
-    from snapstore.launch import global_digest, report_digest
+    from snapstore.testing import global_digest, report_digest
     value = global_digest(state, trainer.replicated)
     if self.host == 0:
       report_digest(step, value, self.inc)
@@ -109,7 +109,7 @@ class _Worker:
 
   def restore_or_init(self, trainer: Any, hosts: list[int] | None = None) -> tuple[Any, int]:
     import snapstore
-    from snapstore.launch import report_restore
+    from snapstore.testing import report_restore
     t0 = time.time()
     try:
       r = self.mgr.restore(trainer.abstract_state())

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ... import _group, _parity
+from ... import _devices, _parity
 from ..._assemble import Assembler, BadCopy
 from ..._checksum import (
   ChecksumKind,
@@ -31,11 +31,12 @@ from ..._checksum import (
   piece_key,
 )
 from ..._index import Index, shape_of
-from ..._layout import LeafSpec
 from ..._manifest import Manifest, piece_row, split_parity
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
+from ..._tree import LeafSpec
 from ...options import SnapshotOptions, StoreKind
+from .. import _copy
 from ..base import DomainStores, Header, retain
 from . import capture as _capture
 from .store import HostStore, host_dir
@@ -44,7 +45,7 @@ from .store import HostStore, host_dir
 @dataclasses.dataclass
 class _Pending:
   header: Header
-  jobs: list[tuple[HostStore, _capture.Capture, int]]  # (store, capture, slot)
+  jobs: list[tuple[HostStore, _copy.Capture, int]]  # (store, capture, slot)
 
 
 @functools.lru_cache(maxsize=8)
@@ -91,7 +92,7 @@ class HostFilesBackend(DomainStores):
     """The parity stripes over the job's devices now (None: replicas)."""
     if self.options.redundancy != "parity" or self._domains is None:
       return None
-    return _stripes_of(tuple(_group.devices()), tuple(sorted(self._domains.items())),
+    return _stripes_of(tuple(_devices.devices()), tuple(sorted(self._domains.items())),
                        self.options.parity_k)
 
   def close(self) -> None:
@@ -126,11 +127,11 @@ class HostFilesBackend(DomainStores):
 
   def drain(self, pending: _Pending) -> int:
     nbytes = 0
-    offsets = {store.host: _capture.layout_offsets(cap.pieces)
+    offsets = {store.host: _copy.layout_offsets(cap.pieces)
                for store, cap, _ in pending.jobs}
     # Every store's pieces in one pass (one store per domain on a single
     # controller: a data-parallel twin is copied once from the source).
-    crcs_of = _capture.drain_domains(
+    crcs_of = _copy.drain_domains(
         {store.host: cap for store, cap, _ in pending.jobs},
         {store.host: store.slot_buffer(slot) for store, _, slot in pending.jobs},
         offsets, pool=self._pool, chunk_bytes=self.options.chunk_bytes)

@@ -34,9 +34,9 @@ from ..._checksum import (
   shard_checksums,
 )
 from ..._index import Index, shape_of
-from ..._layout import LeafKind, LeafSpec
 from ..._manifest import Manifest, piece_row, split_parity
 from ..._planner import Copy, StepPlan
+from ..._tree import LeafKind, LeafSpec
 from ...options import SnapshotOptions, StoreKind
 from ..base import DomainStores, Header, retain
 from . import capture as _capture

@@ -41,9 +41,9 @@ from ..._checksum import (
   shard_checksums,
 )
 from ..._index import Index, nbytes as index_nbytes, normalize
-from ..._layout import LeafKind, LeafSpec, Piece, piece_of, positions
 from ..._placement import HolderLayout, holder_layout, ring_keepers, shard_arrays
-from ..hostfiles.capture import Capture as HostCapture, drain_domains, layout_offsets
+from ..._tree import LeafKind, LeafSpec, Piece, piece_of, positions
+from .._copy import Capture as HostCapture, drain_domains, layout_offsets
 from .store import PINNED, Stored
 
 
@@ -443,7 +443,7 @@ class _LeafPlan:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _kept(leaf: int, index: Index, nbytes: int, owner: int) -> tuple[Piece, int]:
-  """(piece, owner domain), one object for the run (see :func:`.._layout.piece_of`)."""
+  """(piece, owner domain), one object for the run (see :func:`snapstore._tree.piece_of`)."""
   return piece_of(leaf, index, nbytes), owner
 
 

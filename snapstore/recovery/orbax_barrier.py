@@ -13,7 +13,7 @@ replacement waits for them in the next save's first barrier. The job hangs.
 in the service's key-value store: every process writes its arrival, process
 0 sees them all and writes ``done``, and every process waits for ``done`` in
 one-second slices. A manager is bound to the job's membership when it is
-made (:func:`snapstore._group.membership`, set by ``InPlace.live()``); once
+made (:func:`snapstore._devices.membership`, set by ``InPlace.live()``); once
 a process was replaced, each of its barriers raises :class:`Abandoned`, a
 waiting one within a slice, so its save is never committed (a process may
 have died before it wrote its shards) and its threads end. ``OrbaxTier``
@@ -30,12 +30,12 @@ step's failure path.
 
 A process that hangs (alive, silent) before it reaches a barrier of a save
 holds the others there, outside any collective, so the watchdog's abort
-(:mod:`._abort`) cannot free them. While a watchdog beats, a barrier that
+(:mod:`snapstore.recovery.watchdog`) cannot free them. While a watchdog beats, a barrier that
 has waited the watchdog's ``after_s`` reads, once a second, the ``live()``
 block's failure key (a process whose step failed will not come:
 ``PeerFailed``) and the beats: process 0 those of the processes that did
 not arrive, the others process 0's and a ``failed`` key that process 0
-writes. A process that is gone (:class:`._abort.Silence`: replaced, or
+writes. A process that is gone (:class:`snapstore.recovery.watchdog.Silence`: replaced, or
 silent for twice ``after_s``, since the verdict fences it) ends the barrier
 on every process with :class:`snapstore.recovery.MembersMissing` naming
 it: the training loop reports it, the supervisor fences and replaces it,
@@ -53,7 +53,9 @@ from typing import Any
 
 import jax
 
-from . import _abort, _group, _jax_private
+from .. import _devices, _jax_private
+from ..errors import MembersMissing, PeerFailed
+from . import watchdog
 
 NAMESPACE = "snapstore/orbax"
 SLICE_MS = 1000  # how often a waiting process checks the membership
@@ -84,17 +86,17 @@ class Barrier:
   every process alike."""
 
   def __init__(self, scope: str = "") -> None:
-    self.members = _group.membership()
+    self.members = _devices.membership()
     # who meets here: the current members (all processes but while the job
     # runs short); the lowest of them leads, as process 0 does in full
-    self.processes = _group.processes() or tuple(range(jax.process_count()))
+    self.processes = _devices.processes() or tuple(range(jax.process_count()))
     self._scope = f"{scope}/" if scope else ""
     self._lock = threading.Lock()
     self._uses: dict[str, int] = {}
     self._completed: collections.deque[tuple[str, float]] = collections.deque()  # process 0
 
   def stale(self) -> bool:
-    return _group.membership() != self.members
+    return _devices.membership() != self.members
 
   def __call__(self, *, key: str, timeout_ms: int) -> None:
     """Returns once every process called it with ``key``. Raises
@@ -114,10 +116,10 @@ class Barrier:
     client.key_value_set(f"{where}/in/{me}", "1")
     began = time.monotonic()
     deadline = began + timeout_ms / 1000
-    watchdog = _abort.running()
+    dog = watchdog.running()
     # (a verdict here fences the process: twice the silence of a watchdog abort)
-    silence = (_abort.Silence(client, 2 * watchdog.after_s, watchdog.members)
-               if watchdog is not None else None)
+    silence = (watchdog.Silence(client, 2 * dog.after_s, dog.members)
+               if dog is not None else None)
     checked, poll = began, 0.002
     while True:
       arrived: set[int] = set()
@@ -157,12 +159,12 @@ class Barrier:
                            f"{timeout_ms / 1000:.0f} s")
 
   def _give_up_if_gone(self, client: Any, where: str, key: str, me: int, lead: int,
-                       arrived: set[int], silence: _abort.Silence) -> None:
+                       arrived: set[int], silence: watchdog.Silence) -> None:
     """Raises ``MembersMissing`` if a process this barrier waits for is gone
     (the lead judges those that did not arrive, and tells the rest under
     ``{where}/failed``; the others judge the lead), ``PeerFailed`` if a
     process's step failed in this ``live()`` block (it will not come)."""
-    from .recovery import MembersMissing, PeerFailed, failed_in_block  # (it imports this)
+    from .in_place import failed_in_block  # (in_place imports this module, via service)
     who = failed_in_block(client)
     if who is not None:
       raise PeerFailed(f"process {who} failed this step while the others waited at Orbax "
@@ -195,12 +197,12 @@ def _sync_barrier(original: Any, processes: Any, *, key: str, timeout_ms: int) -
   process alike); elsewhere Orbax's own (``original``), over the members:
   a background thread may outlive its membership, and its late call would
   miscount the next one's, and without beats a gone process cannot be told."""
-  if _abort.running() is None or threading.current_thread() is not threading.main_thread():
-    if processes is None and _group.processes() is not None:
-      processes = set(_group.processes() or ())
+  if watchdog.running() is None or threading.current_thread() is not threading.main_thread():
+    if processes is None and _devices.processes() is not None:
+      processes = set(_devices.processes() or ())
     original(processes=processes)(key=key, timeout_ms=timeout_ms)
     return
-  name = _group.membership()
+  name = _devices.membership()
   with _sync_lock:
     barrier = _sync.get(name)
     if barrier is None:
@@ -223,7 +225,7 @@ def install() -> None:
     return
 
   def get_barrier_sync_fn(*, processes: Any = None) -> Any:
-    members = _group.processes()
+    members = _devices.processes()
     if jax.process_count() > 1 and (
         processes is None or (members is not None and set(processes) == set(members))):
       return functools.partial(_sync_barrier, original, processes)

@@ -30,10 +30,10 @@ from collections.abc import Iterator, Sequence
 import msgpack
 import numpy as np
 
-from . import _planner
-from ._collective import NONE, Collective
-from ._layout import spec_row
-from ._manifest import Manifest
+from .. import _planner
+from .._manifest import Manifest
+from .._tree import spec_row
+from .collective import NONE, Collective
 
 #: The least value :func:`min64` and :func:`max64` take (and "none" for max64).
 LEAST = -(1 << 60)
@@ -42,7 +42,7 @@ LEAST = -(1 << 60)
 def shared_content(m: Manifest) -> bytes:
   """What every store's manifest of one step must agree on, as bytes
   (``==`` on values would call NaN unequal to itself, and True equal to
-  1.0): the header a host without the step receives (:mod:`._sparse`)."""
+  1.0): the header a host without the step receives (:mod:`snapstore._multihost.sparse`)."""
   return msgpack.packb([[spec_row(s) for s in m.leaves], sorted(m.scalars.items()), m.extra,
                         m.chunk_bytes, m.tree_digest, m.num_hosts], use_bin_type=True)
 

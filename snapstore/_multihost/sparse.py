@@ -1,6 +1,6 @@
 """A multi-host restore whose metadata is what each host needs, not the job's.
 
-For one candidate step (:mod:`._agree`), in three collectives whose size is
+For one candidate step (:mod:`snapstore._multihost.agree`), in three collectives whose size is
 set by the pieces that must move, never by the host count times an
 inventory:
 
@@ -21,10 +21,10 @@ Every host derives the same verdict from the same bytes: the step is
 restorable here (:class:`Planned`), or no copy of some needed piece
 survives (:class:`Lost`: an older step, or the persistent tier), or the
 pieces cannot be matched by region (a changed target layout:
-:class:`Fallback`, the full inventory exchange of :mod:`._exchange`,
+:class:`Fallback`, the full inventory exchange of :mod:`snapstore._multihost.exchange`,
 reported as such). A need no host holds in a step with parity is rebuilt
-from its stripes' survivors only (:mod:`._rebuild`). The moves themselves
-are :mod:`._moves`.
+from its stripes' survivors only (:mod:`snapstore._multihost.rebuild`). The moves themselves
+are :mod:`snapstore._multihost.moves`.
 """
 
 from __future__ import annotations
@@ -36,15 +36,16 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from . import _rebuild, errors
-from ._agree import Candidate, digest_of, shared_content
-from ._assemble import _wanted
-from ._checksum import ChecksumKind
-from ._collective import NONE, Collective, gather_blobs
-from ._index import Index, full, nbytes as index_nbytes
-from ._layout import LeafKind, LeafSpec, check_compatible, spec_from_row, target_sharding
-from ._manifest import Manifest, PieceRecord, PieceTable
-from ._planner import REBUILT, CopyKey
+from .. import errors
+from .._assemble import _wanted
+from .._checksum import ChecksumKind
+from .._index import Index, full, nbytes as index_nbytes
+from .._manifest import Manifest, PieceRecord, PieceTable
+from .._planner import REBUILT, CopyKey
+from .._tree import LeafKind, LeafSpec, check_compatible, spec_from_row, target_sharding
+from . import rebuild
+from .agree import Candidate, digest_of, shared_content
+from .collective import NONE, Collective, gather_blobs
 
 #: The most bytes one point-to-point transfer carries (more: several rounds).
 BATCH_BYTES = 64 << 20
@@ -99,7 +100,7 @@ class Planned:
   nbytes: tuple[int, ...]           # per need
   incoming: tuple[Incoming, ...]    # this host's
   outgoing: tuple[int, ...]         # the needs this host sends
-  stripes: tuple[_rebuild.Stripe, ...] = ()  # the parity rebuilds
+  stripes: tuple[rebuild.Stripe, ...] = ()  # the parity rebuilds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +276,7 @@ def encode_rows(held: Held, needs: Sequence[Need], holders: Sequence[int],
                 target_specs: Sequence[LeafSpec], header: bytes | None,
                 parity: Sequence[Any] = ()) -> bytes:
   """The records of the needs this host sends, the header if asked, and
-  its parity offers (:func:`._rebuild.offers`)."""
+  its parity offers (:func:`snapstore._multihost.rebuild.offers`)."""
   rows = []
   for i, (need, h) in enumerate(zip(needs, holders, strict=True)):
     if h != held.host:
@@ -308,7 +309,7 @@ def decode_rows(blobs: Sequence[bytes]
 
 def header_from(blob: bytes, digest: int) -> Header:
   """The header a host received, checked against the agreed digest."""
-  from ._manifest import _int, _str  # (defensive parsing, as manifests are parsed)
+  from .._manifest import _int, _str  # (defensive parsing, as manifests are parsed)
   if digest_of(blob) != digest:
     raise ValueError("the step's header does not match the digest its hosts agreed on")
   leaves, scalars, extra, chunk_bytes, tree_digest, num_hosts = msgpack.unpackb(
@@ -343,12 +344,12 @@ def plan(coll: Collective, manifest: Manifest | None, cand: Candidate,
   holders = got
   send_header = bool(lacking) and manifest is not None and host == int(cand.holders[0])
   head = shared_content(manifest) if send_header and manifest is not None else None
-  rebuild = REBUILT in holders
+  rebuilding = REBUILT in holders
   # the members to rebuild: hosts without the step, and those whose own copy
   # of a piece no other host holds failed its check
   lost_hosts = (cand.missing(n) | {needs[i].needer for i, h in enumerate(holders)
-                                   if h == REBUILT and needs[i].own_bad}) if rebuild else set()
-  offers = _rebuild.offers(host, manifest, lost_hosts, held.exact, bad) if rebuild else []
+                                   if h == REBUILT and needs[i].own_bad}) if rebuilding else set()
+  offers = rebuild.offers(host, manifest, lost_hosts, held.exact, bad) if rebuilding else []
   rows, header_blob, parity = decode_rows(gather_blobs(coll, encode_rows(
       held, needs, holders, target_specs, head, offers)))
   header: Header | None = Header.of(manifest) if manifest is not None else None
@@ -363,11 +364,11 @@ def plan(coll: Collective, manifest: Manifest | None, cand: Candidate,
                   "intact")
   assert header is not None  # (lacking is empty: every host has the manifest)
   by_path = {s.path: i for i, s in enumerate(header.leaves)}
-  stripes: list[_rebuild.Stripe] = []
-  if rebuild:
+  stripes: list[rebuild.Stripe] = []
+  if rebuilding:
     wanted = [(needs[i].needer, by_path[target_specs[needs[i].pos].path], needs[i].region)
               for i, h in enumerate(holders) if h == REBUILT]
-    stripes, why = _rebuild.decide(cand.step, parity, lost_hosts, wanted, len(header.leaves))
+    stripes, why = rebuild.decide(cand.step, parity, lost_hosts, wanted, len(header.leaves))
     if why is not None:
       return Lost(why)
   kinds = {k.value: k for k in ChecksumKind}

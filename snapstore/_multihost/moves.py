@@ -1,11 +1,11 @@
-"""The point-to-point moves of a sparse restore (:mod:`._sparse`).
+"""The point-to-point moves of a sparse restore (:mod:`snapstore._multihost.sparse`).
 
 What moves: each needed piece, from its holder to its needer; and, for a
-parity rebuild (:mod:`._rebuild`), each surviving member's share, to the
+parity rebuild (:mod:`snapstore._multihost.rebuild`), each surviving member's share, to the
 stripe's lost member. The moves between one pair of hosts travel as one
 buffer (several, past :data:`BATCH_BYTES`), in rounds where each host sends
 at most one buffer and receives at most one: one
-:meth:`._collective.Collective.permute` a round, the same rounds on every
+:meth:`snapstore._multihost.collective.Collective.permute` a round, the same rounds on every
 host. A received piece is checked against its sender's checksums before it
 is used; a rebuilt one is the sum of shares each read and checked where it
 is held. This module also builds a host's own plan (its copies and what it
@@ -21,15 +21,15 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from . import _rebuild
-from ._assemble import Assembler, BadCopy
-from ._checksum import ChecksumKind, crc_matches, piece_key
-from ._collective import Collective, gather_blobs
-from ._index import Index
-from ._layout import LeafSpec
-from ._manifest import Manifest, PieceRecord
-from ._planner import REBUILT, Copy, CopyKey, StepPlan
-from ._sparse import Planned
+from .._assemble import Assembler, BadCopy
+from .._checksum import ChecksumKind, crc_matches, piece_key
+from .._index import Index
+from .._manifest import Manifest, PieceRecord
+from .._planner import REBUILT, Copy, CopyKey, StepPlan
+from .._tree import LeafSpec
+from . import rebuild
+from .collective import Collective, gather_blobs
+from .sparse import Planned
 
 #: The most bytes one point-to-point transfer carries (more: several rounds).
 BATCH_BYTES = 64 << 20
@@ -161,7 +161,7 @@ def reads(planned: Planned, target_specs: Sequence[LeafSpec], host: int
   return out
 
 
-def _block(manifest: Manifest | None, st: _rebuild.Stripe, host: int) -> Copy | None:
+def _block(manifest: Manifest | None, st: rebuild.Stripe, host: int) -> Copy | None:
   if manifest is None:
     return None
   mine = st.layout.members.index(host)
@@ -195,7 +195,7 @@ def move(coll: Collective, planned: Planned, assembler: Assembler,
       copy = _block(manifest, st, host)
       if copy is None:
         return None
-      return _rebuild.share(st, host, itemsize,
+      return rebuild.share(st, host, itemsize,
                             lambda leaf, idx: _flat(assembler.piece(leaf, idx)),
                             lambda: assembler.block(copy))
     except BadCopy:  # (noted in assembler.bad: every host retries without it)
@@ -238,7 +238,7 @@ def move(coll: Collective, planned: Planned, assembler: Assembler,
       else:
         assembler.bad[key] = BadCopy(key, path)
   for ref, total in sums.items():
-    for leaf, idx, raw in _rebuild.pieces(planned.stripes[ref], total, itemsize):
+    for leaf, idx, raw in rebuild.pieces(planned.stripes[ref], total, itemsize):
       assembler.adopt(leaf, idx, np.array(raw), rebuilt=True)
   return received
 

@@ -4,7 +4,7 @@ multi-controller job (``jax.distributed``).
 The manager picks one at construction and never asks again. :class:`Solo`
 reads every copy it needs from the stores it holds. :class:`Distributed`
 exchanges the inventories, agrees on the bad copies, and moves the pieces a
-host lacks with JAX (``_exchange``); every method of it is collective: all
+host lacks with JAX (``snapstore._multihost.exchange``); every method of it is collective: all
 processes call it in the same order.
 """
 
@@ -18,14 +18,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _agree, _exchange, _faults, _group, _moves, _parity, _sparse
-from ._arena import ArenaCache
-from ._assemble import Assembler, BadCopy, what_copy
-from ._collective import Collective, JaxCollective
-from ._index import Index, align
-from ._layout import LeafKind, LeafSpec, batches, check_compatible, target_sharding, wants_numpy
-from ._manifest import Manifest
-from ._planner import REBUILT, Copy, CopyKey, StepPlan
+from .. import _devices, _faults, _parity
+from .._arena import ArenaCache
+from .._assemble import Assembler, BadCopy, what_copy
+from .._index import Index, align
+from .._manifest import Manifest
+from .._planner import REBUILT, Copy, CopyKey, StepPlan
+from .._tree import LeafKind, LeafSpec, batches, check_compatible, target_sharding, wants_numpy
+from . import agree, exchange, moves, sparse
+from .collective import Collective, JaxCollective
 
 
 def _rebuild(assembler: Assembler, piece: Callable[[int, Index], np.ndarray | None],
@@ -141,31 +142,31 @@ class Distributed:
               target_specs: Sequence[LeafSpec], targets: Sequence[Any], *,
               step: int | None, values: tuple[int, int, int],
               persistent_steps: Sequence[int]) -> Sparse:
-    """A restore whose metadata is each host's own (:mod:`._agree`,
-    :mod:`._sparse`): the agreed maxima of ``values`` (newest step,
+    """A restore whose metadata is each host's own (:mod:`snapstore._multihost.agree`,
+    :mod:`snapstore._multihost.sparse`): the agreed maxima of ``values`` (newest step,
     incarnation, minus the persistent tier's newest commit), then,
     candidate by candidate, needs, holders and point-to-point moves.
     Collective."""
     coll = self.collective
     t = time.perf_counter()
-    newest, incarnation, neg_latest = _agree.max64(coll, values)
+    newest, incarnation, neg_latest = agree.max64(coll, values)
     out = Sparse(newest, incarnation, -neg_latest)
     latest = -neg_latest  # (agreed: each host's listing of the tier may differ)
     bad: set[CopyKey] = set()
     scan = time.perf_counter() - t
-    for cand in _agree.candidates(coll, local, step=step, reasons=out.reasons):
+    for cand in agree.candidates(coll, local, step=step, reasons=out.reasons):
       out.timings["scan_exchange"] = scan + time.perf_counter() - t
       if cand.step < latest:
         break
-      mine = _sparse.manifests_at(local, cand)
+      mine = sparse.manifests_at(local, cand)
       while True:
         t = time.perf_counter()
-        got = _sparse.plan(coll, mine, cand, target_specs, targets, bad=bad)
+        got = sparse.plan(coll, mine, cand, target_specs, targets, bad=bad)
         out.timings["plan"] = out.timings.get("plan", 0.0) + time.perf_counter() - t
-        if isinstance(got, _sparse.Fallback):
+        if isinstance(got, sparse.Fallback):
           out.fallback = got.why
           return out
-        if isinstance(got, _sparse.Lost):
+        if isinstance(got, sparse.Lost):
           out.reasons.append(got.why)
           break
         found = self._assemble_sparse(got, mine, source, arenas, target_specs, targets, bad, out)
@@ -183,7 +184,7 @@ class Distributed:
     out.timings.setdefault("scan_exchange", scan + time.perf_counter() - t)
     return out
 
-  def _assemble_sparse(self, got: _sparse.Planned, mine: Manifest | None, source: Any,
+  def _assemble_sparse(self, got: sparse.Planned, mine: Manifest | None, source: Any,
                        arenas: ArenaCache | None, target_specs: Sequence[LeafSpec],
                        targets: Sequence[Any], bad: set[CopyKey], out: Sparse
                        ) -> list[CopyKey]:
@@ -193,7 +194,7 @@ class Distributed:
     coll = self.collective
     check_compatible(got.header.leaves, target_specs, step=got.candidate.step)
     t = time.perf_counter()
-    plan = _moves.local_plan(got, mine, self.host, bad)
+    plan = moves.local_plan(got, mine, self.host, bad)
     assembler = Assembler(plan, source, arenas=arenas)
     by_path = {s.path: i for i, s in enumerate(plan.specs)}
     reads = [k for spec, target in zip(target_specs, targets, strict=True)
@@ -201,13 +202,13 @@ class Distributed:
                        or [(by_path[spec.path], idx)  # (host arrays: every piece)
                            for idx in plan.leaf_copies(by_path[spec.path])])
              if any(c.store == self.host for c in plan.copies.get(k, ()))]
-    reads += _moves.reads(got, target_specs, self.host)
+    reads += moves.reads(got, target_specs, self.host)
     _read(assembler, reads)
     out.timings["read_verify"] = time.perf_counter() - t
     t = time.perf_counter()
     _faults.point("restore", got.candidate.step)
-    received = _moves.move(coll, got, assembler, target_specs, mine)
-    found = _moves.gather_bad(coll, assembler.bad)
+    received = moves.move(coll, got, assembler, target_specs, mine)
+    found = moves.gather_bad(coll, assembler.bad)
     out.timings["read_agree"] = time.perf_counter() - t
     if found:
       return found
@@ -217,12 +218,12 @@ class Distributed:
     except BadCopy as e:  # (a copy read only now: agreed below, like the others)
       assembler.bad.setdefault(e.key, e)
       leaves = None
-    found = _moves.gather_bad(coll, assembler.bad)
+    found = moves.gather_bad(coll, assembler.bad)
     out.timings["read_place"] = time.perf_counter() - t
     if found:
       return found
     out.leaves = leaves
-    sent, _ = _moves.bytes_moved(got, self.host)
+    sent, _ = moves.bytes_moved(got, self.host)
     out.plan = plan
     out.read = {"snapshot": assembler.bytes_read, "received": received, "sent": sent}
     if assembler.bytes_rebuilt:
@@ -231,18 +232,18 @@ class Distributed:
 
   def branch(self, local: Sequence[Manifest], restored: int, incarnation: int) -> int:
     """The incarnation saves continue as after restoring ``restored``
-    (:func:`._agree.branch`). Collective."""
-    return _agree.branch(self.collective, local, restored, incarnation)
+    (:func:`snapstore._multihost.agree.branch`). Collective."""
+    return agree.branch(self.collective, local, restored, incarnation)
 
   def gather_manifests(self, local: Sequence[Manifest], values: Sequence[int] = ()
                        ) -> tuple[list[Manifest], tuple[int, ...]]:
     """Every process's manifests, and each of ``values``' maximum over the
     processes (one exchange)."""
-    return _exchange.gather_manifests(local, values)
+    return exchange.gather_manifests(local, values)
 
   def agree_max(self, *values: int) -> tuple[int, ...]:
     """The maximum of each value over every process."""
-    return _agree.max64(self.collective, values)
+    return agree.max64(self.collective, values)
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
@@ -259,11 +260,11 @@ class Distributed:
     t = time.perf_counter()
     split = self._split(assembler, target_specs, targets)
     reads = split.local + [k for k in split.needed
-                           if _exchange.chosen_source(plan.copies[k]).store == self.host]
+                           if exchange.chosen_source(plan.copies[k]).store == self.host]
     for rb in plan.rebuilds:
       reads.extend(k for j, pieces in enumerate(rb.layout.pieces) if j != rb.lost
                    for k in pieces
-                   if _exchange.chosen_source([c for c in plan.copies[k]
+                   if exchange.chosen_source([c for c in plan.copies[k]
                                                if c.store != REBUILT]).store == self.host)
     _read(assembler, reads)
     for rb in plan.rebuilds:
@@ -271,7 +272,7 @@ class Distributed:
         assembler.check_copy(c)
     timings["read_verify"] = time.perf_counter() - t
     t = time.perf_counter()
-    bad = _moves.gather_bad(self.collective, assembler.bad)
+    bad = moves.gather_bad(self.collective, assembler.bad)
     timings["read_agree"] = time.perf_counter() - t
     if bad:
       return Assembled(None, {k: f"checksum mismatch in "
@@ -280,7 +281,7 @@ class Distributed:
     t = time.perf_counter()
     rebuilt = _rebuild(assembler, self._my_piece(assembler),
                        lambda c: assembler.block(c) if c.store == self.host else None,
-                       _exchange.sum_words)
+                       exchange.sum_words)
     leaves, moved = self._leaves(assembler, split, target_specs, targets)
     timings["read_place"] = time.perf_counter() - t
     return Assembled(leaves, {}, moved + rebuilt, timings=timings)
@@ -291,7 +292,7 @@ class Distributed:
 
     def piece(leaf: int, idx: Index) -> np.ndarray | None:
       real = [c for c in copies[(leaf, idx)] if c.store != REBUILT]
-      if _exchange.chosen_source(real).store != self.host:
+      if exchange.chosen_source(real).store != self.host:
         return None
       return _flat(assembler.piece(leaf, idx))
     return piece
@@ -303,7 +304,7 @@ class Distributed:
     pieces some host lacks (the same on every host: a function of the plan)."""
     plan = assembler.plan
     by_path = {s.path: i for i, s in enumerate(plan.specs)}
-    mesh = jax.sharding.Mesh(np.array(_group.devices()), ("all",))
+    mesh = jax.sharding.Mesh(np.array(_devices.devices()), ("all",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     split = _Split([by_path[t.path] for t in target_specs])
     needed: dict[tuple[int, Index], None] = {}
@@ -315,7 +316,7 @@ class Distributed:
         continue
       sharding = (replicated if wants_numpy(spec, tspec, target)
                   else target_sharding(target))
-      missing = _exchange.missing_pieces(plan, li, sharding, spec.shape)
+      missing = exchange.missing_pieces(plan, li, sharding, spec.shape)
       if missing:
         split.moved.append(pos)
         needed.update(((li, idx), None) for idx in missing)
@@ -338,18 +339,18 @@ class Distributed:
     keys = split.needed
     nbytes = [plan.copies[k][0].record.nbytes for k in keys]
     sizes = [align(n) for n in nbytes]
-    groups = batches(sizes, _exchange.BATCH_BYTES)
+    groups = batches(sizes, exchange.BATCH_BYTES)
     width = max((sum(sizes[i] for i in g) for g in groups), default=0)
     exchanged = 0
     for group in groups:  # the same groups, in the same order, on every host.
       buf = np.zeros(width, np.uint8)
       offsets, off = [], 0
       for i in group:
-        if _exchange.contributes(plan.copies[keys[i]], self.host):
+        if exchange.contributes(plan.copies[keys[i]], self.host):
           buf[off: off + nbytes[i]] = _flat(assembler.piece(*keys[i]))
         offsets.append(off)
         off += sizes[i]
-      total = _exchange.sum_bytes(buf)
+      total = exchange.sum_bytes(buf)
       exchanged += total.nbytes
       for i, at in zip(group, offsets, strict=True):
         assembler.adopt(*keys[i], np.array(total[at: at + nbytes[i]]))

@@ -2,7 +2,7 @@
 
 Every call here is collective: all processes of the restarted job call it in
 the same order. Metadata and array bytes alike go through XLA (one jitted
-all-reduce over the job's devices in :func:`._group.devices` order), never
+all-reduce over the job's devices in :func:`snapstore._devices.devices` order), never
 through a socket of snapstore's own.
 """
 
@@ -18,10 +18,11 @@ import msgpack
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import _collective, _group
-from ._index import Index, normalize, overlaps
-from ._manifest import Manifest, decode, encode
-from ._planner import REBUILT, Copy, StepPlan
+from .. import _devices
+from .._index import Index, normalize, overlaps
+from .._manifest import Manifest, decode, encode
+from .._planner import REBUILT, Copy, StepPlan
+from . import collective
 
 
 def allgather_bytes(blob: bytes) -> list[bytes]:
@@ -135,8 +136,8 @@ def sum_bytes(contribution: np.ndarray) -> np.ndarray:
 
   Callers give each byte a non-zero value on at most one process, so the sum
   is that byte, exact. The bytes travel by one jitted all-reduce over every
-  device of the job in :func:`._group.devices` order (one communicator, keyed
-  by that order: see :mod:`._group`); a process's first local device carries
+  device of the job in :func:`snapstore._devices.devices` order (one communicator, keyed
+  by that order: see :mod:`snapstore._devices`); a process's first local device carries
   its contribution, the others zeros.
   """
   return _sum(contribution.astype(np.uint8, copy=False))
@@ -146,11 +147,11 @@ def bucket(n: int) -> int:
   """``n`` rounded up to one of 8 sizes per power of two (at most 12.5%
   more), at least 4096: the all-reduce is compiled once per size, and
   inventories and batches change size with every step."""
-  return _collective.bucket(max(n, 4096))
+  return collective.bucket(max(n, 4096))
 
 
 def _sum(contribution: np.ndarray) -> np.ndarray:
-  mesh = Mesh(np.array(_group.devices()), (_AXIS,))
+  mesh = Mesh(np.array(_devices.devices()), (_AXIS,))
   size = bucket(contribution.size)
   mine = np.zeros((1, size), contribution.dtype)
   mine[0, :contribution.size] = contribution

@@ -1,51 +1,12 @@
-"""In-place recovery for multi-controller jobs: survivors keep running.
+"""The in-place loop helper: survivors keep running while the job heals.
 
-With JAX's fault-tolerance mode (``jax_enable_recoverability``,
-``multihost_utils.live_devices``), a process that dies no longer takes the
-others down. :func:`initialize` joins the job in that mode, and
-:class:`InPlace` is the small loop helper around it::
-
-    snapstore.recovery.initialize(coordinator, num_processes, process_id)
-    job = snapstore.recovery.InPlace()
-    while step <= last:
-      try:
-        with job.live() as devices:      # agreed at its exit: all pass, or all fail
-          if job.changed:                # first pass, or the job healed
-            mesh = Mesh(np.array(devices).reshape(...), axes)
-            state, step = restore_or_init(mesh)   # mgr.restore(...)
-          state = train_step(state, step)
-          jax.block_until_ready(state)   # the step counts only if all finish it
-          mgr.save(step, state)
-        step += 1
-      except job.FAILURES as e:
-        job.failed(e)                    # raises RestartRequired after K in a row
-                                         # (live() does too when no order is left):
-                                         # exit with RESTART_EXIT_CODE then
-
-A survivor keeps its process, its imports, its compiled programs and its RAM
-store. When a host dies, ``live()`` raises on every survivor (the step is
-discarded) and then waits for the replacement that ``snapstore launch`` starts
-with the same process id. Once it is in, ``changed`` is set: everyone
-restores the freshest complete snapshot onto the full mesh, the survivors
-from their own RAM, the replacement from its peers' (``heal``). With
-``min_hosts`` (:class:`ResizePolicy`) they go on without it instead, on the
-live devices, and grow back when the replacement joins.
-
-``devices`` comes in one order all processes agree on, new after each failed
-step (:mod:`._group` says why); build every mesh from it.
-
-On CPU, a survivor can be stuck in a gloo collective whose data was to come
-through the dead process, and XLA cannot abort CPU communicators. A watchdog
-thread (:mod:`._abort`) then shuts the process's gloo connections once it
-has been stuck ``abort_after_s`` with a peer silent or replaced, so the
-collective fails in seconds, not at the collective timeout.
-
-The coordination service normally lives in process 0, so losing process 0
-ends the job. ``snapstore launch --in-place`` hosts it in the supervisor
-(:func:`start_service`), and the workers connect as clients only: a private
-JAX API, guarded by version (:func:`unsupported`). Where in-place recovery is
-not possible, :class:`RestartRequired` tells the caller to exit with
-:data:`RESTART_EXIT_CODE`, and ``launch`` restarts the whole job as before.
+:class:`InPlace` is what a training loop wraps each step in (see
+:mod:`snapstore.recovery`): ``live()`` yields the devices of the current
+membership in the agreed order, agrees at its exit whether every process
+finished the step, and after a failure waits for the replacement (or, under
+a :class:`ResizePolicy`, goes on with the live processes). The coordination
+service's key-value store carries the protocol: the orders used, the process
+whose step failed, resizes and departures.
 """
 
 from __future__ import annotations
@@ -62,42 +23,18 @@ from typing import Any
 
 import jax
 
-from . import _abort, _cache_keys, _group, _jax_private, _orbax_barrier, _reports, errors
+from .. import _devices, _jax_private, _reports
+from ..errors import MembersMissing, PeerFailed, RestartRequired
+from . import watchdog
+from .service import gloo_ports, service_ports
 
 logger = logging.getLogger(__name__)
 
-RESTART_EXIT_CODE = _reports.RESTART_EXIT_CODE  # "restart the whole job", for launch
-SERVICE_ENV = "SNAPSTORE_SERVICE"  # "external": the supervisor hosts the service
-COLLECTIVE_TIMEOUT_ENV = "SNAPSTORE_COLLECTIVE_TIMEOUT_S"  # initialize()'s default
-DEFAULT_COLLECTIVE_TIMEOUT_S = 30
-TESTED_JAX = _jax_private.TESTED_JAX  # the jax versions whose private APIs this uses
 _ORDERS = "snapstore/orders"  # in the coordination service: every order used
 _FAILED = "snapstore/failed"  # membership/block -> the process whose step failed
 _LEFT = "snapstore/left"  # processes that reached close() and disconnected
 _DONE = "snapstore/closing"  # processes that reached close()
-_STALE_TOPOLOGY_KEY = "cpu:global_topology/cpu"
 DEFAULT_ABORT_AFTER_S = 3.0
-_listening_before: set[int] | None = None  # TCP listeners before this process joined
-
-#: Set on CPU: a gloo collective with a dead peer otherwise hangs for 30 min.
-CPU_FLAGS = ("--xla_cpu_collective_timeout_seconds={timeout}",)
-#: JAX's documented set for GPUs ("Fault Tolerant Distributed JAX").
-GPU_FLAGS = ("--xla_gpu_nccl_terminate_on_error=false",
-             "--xla_gpu_nccl_async_execution=true",
-             "--xla_gpu_nccl_blocking_communicators=false")
-GPU_ENV = {"XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
-           "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1"}
-
-
-class RestartRequired(errors.SnapstoreError, RuntimeError):
-  """In-place recovery is not possible here; exit with
-  :data:`RESTART_EXIT_CODE` and let the supervisor restart the whole job."""
-
-
-class PeerFailed(errors.SnapstoreError, RuntimeError):
-  """Another process's step failed; this one's is discarded too."""
-
-
 _block_failure: str | None = None  # the key of the live() block this process is in
 
 
@@ -113,149 +50,6 @@ def failed_in_block(client: Any) -> str | None:
     return str(client.key_value_try_get(key))
   except Exception:  # noqa: BLE001  (NOT_FOUND: none failed)
     return None
-
-
-class MembersMissing(errors.SnapstoreError, RuntimeError):
-  """Not every process of the job is live (a replacement is starting, or a
-  host hangs: the supervisor fences it). ``processes``: the missing ones;
-  ``since``: when they were last seen, if known (else when this process
-  began to wait)."""
-
-  def __init__(self, message: str, processes: tuple[int, ...] = (),
-               since: float | None = None):
-    super().__init__(message)
-    self.processes, self.since = processes, since
-
-
-def unsupported() -> str | None:
-  """Why in-place recovery cannot run with this JAX, or None if it can."""
-  try:
-    state, runtime = _jax_private.distributed_state(), _jax_private.runtime()
-    from jax.experimental.multihost_utils import live_devices
-  except ImportError as e:
-    return f"jax {jax.__version__} lacks what in-place recovery needs ({e})"
-  untested = _jax_private.version_tested()
-  if untested is not None:
-    return untested
-  needed = [(state, "client"), (runtime, "get_distributed_runtime_client"),
-            (runtime, "get_distributed_runtime_service"), (live_devices, "devices")]
-  missing = [name for obj, name in needed if not hasattr(obj, name)]
-  return f"jax {jax.__version__} lacks {missing}" if missing else None
-
-
-def start_service(bind_address: str, num_processes: int, *,
-                  heartbeat_timeout_s: int = 3) -> Any:
-  """The JAX coordination service, recoverable, hosted by the caller (the
-  supervisor). Keep the returned object alive; ``.shutdown()`` ends it."""
-  return _jax_private.runtime().get_distributed_runtime_service(
-      bind_address, num_processes, heartbeat_timeout=heartbeat_timeout_s,
-      shutdown_timeout=10, recoverable=True)
-
-
-def set_flags(*, collective_timeout_s: int = 30) -> None:
-  """XLA flags for recoverable collectives; before the backend starts."""
-  flags: tuple[str, ...]
-  env: dict[str, str]
-  if jax.config.jax_platforms and "cuda" in jax.config.jax_platforms:
-    flags, env = GPU_FLAGS, GPU_ENV
-  elif jax.config.jax_platforms == "cpu":
-    flags, env = tuple(f.format(timeout=collective_timeout_s) for f in CPU_FLAGS), {}
-  else:  # platform chosen later: set both, each is ignored by the other backend
-    flags = GPU_FLAGS + tuple(f.format(timeout=collective_timeout_s) for f in CPU_FLAGS)
-    env = GPU_ENV
-  have = os.environ.get("XLA_FLAGS", "")
-  add = [f for f in flags if f.split("=")[0] not in have]
-  os.environ["XLA_FLAGS"] = " ".join([have, *add]).strip()
-  for k, v in env.items():
-    os.environ.setdefault(k, v)
-
-
-def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
-               external_service: bool | None = None, heartbeat_timeout_s: int = 3,
-               collective_timeout_s: int | None = None,
-               bind_address: str | None = None) -> None:
-  """Joins a multi-controller job in JAX's fault-tolerance mode.
-
-  ``external_service`` (default: ``$SNAPSTORE_SERVICE == "external"``): the
-  coordination service runs elsewhere (:func:`start_service`); connect as a
-  client only, so that losing process 0 is survivable. Otherwise process 0
-  hosts it, as ``jax.distributed.initialize`` does. Call before any other
-  JAX use.
-
-  ``collective_timeout_s`` (CPU): how long a gloo collective waits for a peer
-  before it fails. A peer whose process died fails it at once (its sockets
-  close); the timeout is for a peer that is alive but late, so it must exceed
-  the skew between processes (compiling the first step on a loaded machine
-  takes seconds), or a healthy job fails its first step. A survivor that
-  waits on a peer that died elsewhere in the collective is freed sooner by
-  :class:`InPlace`'s watchdog (``abort_after_s``). Default:
-  ``$SNAPSTORE_COLLECTIVE_TIMEOUT_S``, else 30.
-  Raises :class:`RestartRequired` if this JAX cannot do it.
-  """
-  global _listening_before
-  if collective_timeout_s is None:
-    collective_timeout_s = _timeout_from_env()
-  _listening_before = _abort.listening_ports()  # the gloo listener comes later
-  why = unsupported()
-  if why:
-    raise RestartRequired(f"in-place recovery is off: {why}")
-  if external_service is None:
-    external_service = os.environ.get(SERVICE_ENV) == "external"
-  set_flags(collective_timeout_s=collective_timeout_s)
-  jax.config.update("jax_enable_recoverability", True)
-  _orbax_barriers_in_the_service()
-  _cache_keys.share()
-  if not external_service:
-    jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                               heartbeat_timeout_seconds=heartbeat_timeout_s,
-                               coordinator_bind_address=bind_address)
-    return
-  state = _jax_private.distributed_state()
-  if state.client is not None:
-    raise RuntimeError("jax.distributed is already initialized")
-  state.coordinator_address = coordinator_address
-  state.process_id, state.num_processes = process_id, num_processes
-  state.client = _jax_private.runtime().get_distributed_runtime_client(
-      coordinator_address, process_id, init_timeout=300, use_compression=True,
-      heartbeat_timeout=heartbeat_timeout_s)
-  state.client.connect()
-  if process_id == 0:  # a replaced process 0 publishes the topology again
-    with contextlib.suppress(Exception):
-      state.client.key_value_delete(_STALE_TOPOLOGY_KEY)
-
-
-def _timeout_from_env() -> int:
-  value = os.environ.get(COLLECTIVE_TIMEOUT_ENV, str(DEFAULT_COLLECTIVE_TIMEOUT_S))
-  try:
-    seconds = int(value)
-  except ValueError:
-    seconds = 0
-  if seconds < 1:
-    raise ValueError(f"${COLLECTIVE_TIMEOUT_ENV} must be a whole number of seconds >= 1, "
-                     f"got {value!r}")
-  return seconds
-
-
-def _orbax_barriers_in_the_service() -> None:
-  """Orbax synchronizes processes with a gloo collective over every device
-  in JAX's default order unless told to use the coordination service's
-  barriers; after a heal that collective would meet the dead process's
-  communicator (see :mod:`._group`). An absl flag; set without parsing
-  the command line. Those barriers then go through
-  :func:`._orbax_barrier.install`: membership-bound, in the service's
-  key-value store."""
-  try:
-    from absl import flags
-    from orbax.checkpoint._src.multihost import multihost  # noqa: F401
-  except ImportError:
-    return
-  name = "experimental_orbax_use_distributed_barrier"
-  if name in flags.FLAGS:
-    flags.FLAGS[name].value = True
-    flags.FLAGS[name].present = 1
-    if not flags.FLAGS.is_parsed():
-      flags.FLAGS.mark_as_parsed()
-  _orbax_barrier.install()
 
 
 MIN_HOSTS_ENV = "SNAPSTORE_MIN_HOSTS"  # InPlace's default min_hosts (launch --min-hosts)
@@ -362,7 +156,7 @@ class InPlace:
       block this long and a peer has been silent this long, a watchdog shuts
       down this process's gloo connections, so that a collective waiting on
       the dead peer fails now instead of at the collective timeout
-      (:mod:`._abort`). It must exceed the longest a live process can go
+      (:mod:`snapstore.recovery.watchdog`). It must exceed the longest a live process can go
       without running a Python thread. None: off.
   """
 
@@ -396,20 +190,20 @@ class InPlace:
     self._body_failed = False  # the last failure came from inside a block
     self.generation = 0
     self.changed = False
-    self.devices: list[jax.Device] = _group.devices()
+    self.devices: list[jax.Device] = _devices.devices()
     self.recoveries: list[Recovery] = []
     self._block_since: float | None = None
     self._order_name: str | None = None  # the order of this membership, by name
     self._spent: set[str] = set()  # orders this process failed on: never again
-    self.watchdog: _abort.Watchdog | None = None
+    self.watchdog: watchdog.Watchdog | None = None
     if abort_after_s is not None and not abort_after_s > 0:
       raise ValueError(f"abort_after_s must be > 0 seconds or None, got {abort_after_s!r}")
     if self._all[0].platform == "cpu":
-      self.watchdog = _abort.Watchdog(
+      self.watchdog = watchdog.Watchdog(
           self._client, jax.process_index(), jax.process_count(),
           after_s=DEFAULT_ABORT_AFTER_S if abort_after_s is None else abort_after_s,
-          in_block=lambda: self._block_since, gloo_ports=_gloo_ports(),
-          spare_ports=_service_ports())
+          in_block=lambda: self._block_since, gloo_ports=gloo_ports(),
+          spare_ports=service_ports())
       if abort_after_s is not None:
         self.watchdog.start()
 
@@ -442,9 +236,9 @@ class InPlace:
         self.changed = self._dirty or key != self._key
         if key != self._key or self._order_name in self._spent:
           self.devices = self._order_for(key, incarnations)
-          _group.set_devices(self.devices)
+          _devices.set_devices(self.devices)
           hosts = tuple(sorted({d.process_index for d in devices}))
-          _group.set_membership(hashlib.sha256(repr(key).encode()).hexdigest()[:16],
+          _devices.set_membership(hashlib.sha256(repr(key).encode()).hexdigest()[:16],
                                 hosts if len(hosts) < jax.process_count() else None)
           if self.watchdog is not None:
             self.watchdog.watched = set(hosts)
@@ -551,7 +345,7 @@ class InPlace:
     step) is drawn so that none of its device groups was used before."""
     # gloo keys communicators and their rendezvous by the ordered device
     # list alone, and XLA keeps them: a group last used with a dead process,
-    # or one whose connections a failure shut (failed(), ._abort), fails
+    # or one whose connections a failure shut (failed(), .watchdog), fails
     # forever, and one that failed mid-operation would meet leftover bytes.
     # The coordination service keeps every order, for processes that join.
     docs = {name.rsplit("/", 1)[-1]: json.loads(value)
@@ -563,10 +357,10 @@ class InPlace:
       self._order_name = fresh[0]
       return [by_id[i] for i in docs[fresh[0]]["order"]]
     order = sorted(incarnations, key=lambda d: (d.process_index, d.id))  # JAX's
-    if docs and _group.rekey_needed(self._all[0].platform):
+    if docs and _devices.rekey_needed(self._all[0].platform):
       # a draw every process makes alike, from the same orders
-      stale = set().union(*(_group.cliques(d["order"]) for d in docs.values()))
-      fresh_order = _group.rekeyed(incarnations, stale, {d.id for d in self._all})
+      stale = set().union(*(_devices.cliques(d["order"]) for d in docs.values()))
+      fresh_order = _devices.rekeyed(incarnations, stale, {d.id for d in self._all})
       if fresh_order is None:
         raise _restart(f"no device order is left whose every group is new after "
                               f"{len(docs)} memberships; a full restart clears the old "
@@ -592,7 +386,7 @@ class InPlace:
     short = len(self._hosts) < jax.process_count()  # (the others are gone)
     try:
       if short:
-        self._client.wait_at_barrier(f"snapstore/done/{_group.membership()}",
+        self._client.wait_at_barrier(f"snapstore/done/{_devices.membership()}",
                                      int(timeout_s * 1000), list(self._hosts))
       else:
         self._client.wait_at_barrier("snapstore/done", int(timeout_s * 1000))
@@ -670,17 +464,3 @@ def _restart(why: str) -> RestartRequired:
   with contextlib.suppress(OSError):
     _reports.report_restart(why)
   return RestartRequired(why)
-
-
-def _service_ports() -> set[int]:
-  port = (_jax_private.distributed_state().coordinator_address or "").rsplit(":", 1)[-1]
-  return {int(port)} if port.isdigit() else set()
-
-
-def _gloo_ports() -> set[int]:
-  """This process's gloo listener ports: the TCP listeners that appeared
-  since :func:`initialize` (the backend, started by ``jax.devices()``, opens
-  gloo's), less the coordination service's. A server the program starts in
-  between would be counted too: start it before ``initialize``."""
-  ports = _abort.listening_ports() - (_listening_before or set())
-  return ports - _service_ports()

@@ -1,7 +1,7 @@
 """Persistent compilation cache keys that survive an in-place heal on CPU.
 
 After a heal every process compiles for a new device order (gloo, see
-:mod:`._group`). On CPU two parts of JAX's cache key then miss:
+:mod:`snapstore._devices`). On CPU two parts of JAX's cache key then miss:
 
 - the compile options' device assignment (the order itself). JAX strips it
   from the key on GPU; :func:`share` strips it on CPU too. The assignment
@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from . import _jax_private
+from .. import _jax_private
 
 
 def share() -> None:

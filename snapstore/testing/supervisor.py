@@ -23,7 +23,6 @@ report calls :func:`report_restore` (re-exported here with the others).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -37,9 +36,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _faults
-from ._backends.hostfiles.store import host_dir, read_progress
-from ._reports import (  # noqa: F401  (the worker's side, re-exported for workers)
+from .. import _faults
+from .._backends import host_dir, read_progress
+from .._reports import (  # noqa: F401  (the worker's side, re-exported for workers)
   IN_PLACE_ENV,
   INCARNATION_ENV,
   REPORT_DIR_ENV,
@@ -167,58 +166,6 @@ def _restart_reason(report_dir: Path, number: int, host: int) -> str:
     return str(json.loads((report_dir / f"restart-inc{number}-host{host}.json").read_text()))
   except (OSError, ValueError):
     return "no reason given"
-
-
-def global_digest(state: Any, replicated: Any) -> str:
-  """The sha256 of a global state, the same on every process: every byte is
-  gathered to every process by one jitted identity onto ``replicated`` (a
-  fully replicated sharding of the state's mesh). Collective. Typed PRNG
-  keys count by their key data."""
-  import hashlib
-
-  import jax
-  import numpy as np
-  leaves = [jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-            else x for x in jax.tree.leaves(state)]
-  h = hashlib.sha256()
-  for x in _gather_all(replicated)(leaves):
-    h.update(np.asarray(x.addressable_shards[0].data).tobytes())
-  return h.hexdigest()
-
-
-@functools.lru_cache(maxsize=8)
-def _gather_all(replicated: Any) -> Any:
-  """The jitted identity onto ``replicated``: one jit object per sharding, so
-  a digest after every step traces and compiles it once (a new lambda each
-  call would trace and compile it at every digest)."""
-  import jax
-  return jax.jit(lambda xs: xs, out_shardings=replicated)
-
-
-def init_from_env() -> tuple[int, int, int]:
-  """In a process started by ``launch``: configures JAX for CPU (gloo, the
-  given devices per host) and joins the job. Returns (host, hosts,
-  incarnation). Call before any other JAX use."""
-  import jax
-  env = os.environ
-  host, num_hosts = int(env["SNAPSTORE_HOST"]), int(env["SNAPSTORE_NUM_HOSTS"])
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", int(env["SNAPSTORE_DEVICES_PER_HOST"]))
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if in_place_from_env():
-    from . import recovery
-    recovery.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
-                        bind_address=env.get("SNAPSTORE_COORDINATOR_BIND"))
-  else:
-    jax.distributed.initialize(env["SNAPSTORE_COORDINATOR"], num_hosts, host,
-                               heartbeat_timeout_seconds=10,
-                               coordinator_bind_address=env.get("SNAPSTORE_COORDINATOR_BIND"))
-  return host, num_hosts, int(env["SNAPSTORE_INCARNATION"])
-
-
-def in_place_from_env() -> bool:
-  """True in a worker that ``launch(in_place=True)`` started."""
-  return os.environ.get(IN_PLACE_ENV) == "1"
 
 
 def _reserve_port(host: str) -> socket.socket:
@@ -406,7 +353,7 @@ class Supervisor:
     here unless ``host_service`` is off."""
     if not self.job.in_place:
       return
-    from . import recovery  # imports jax: only when asked
+    from .. import recovery  # imports jax: only when asked
     inc = self.inc
     inc.fallback = recovery.unsupported()
     if inc.fallback is not None:

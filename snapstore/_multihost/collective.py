@@ -9,13 +9,13 @@ inventory times the host count:
   to end with it, so its buffer is the sum of the blobs, not the host count
   times the largest;
 * :meth:`Collective.reduce_min`: an element-wise minimum of an int32 vector
-  (:func:`._agree.max64` builds 64-bit maxima of it; who holds each needed
+  (:func:`snapstore._multihost.agree.max64` builds 64-bit maxima of it; who holds each needed
   piece);
 * :meth:`Collective.permute`: one buffer from each sending host to its one
   receiver (a piece moves point to point; no other host sees it).
 
 :class:`JaxCollective` runs them as jitted XLA collectives over the job's
-devices in their agreed order (:func:`._group.devices`): JAX stays the data
+devices in their agreed order (:func:`snapstore._devices.devices`): JAX stays the data
 plane. A benchmark stands in a simulated one (``benchmarks/scale.py``) to run
 one host's view of a job of thousands through the same code. Every method is
 collective: all processes call it in the same order with the same shapes.
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import _group
+from .. import _devices
 
 _AXIS = "snapstore_hosts"
 
@@ -122,7 +122,7 @@ def bucket(n: int) -> int:
 
 class JaxCollective:
   """:class:`Collective` as jitted XLA collectives over every device of the
-  job in the agreed order (:func:`._group.devices`: gloo keys its
+  job in the agreed order (:func:`snapstore._devices.devices`: gloo keys its
   communicators by that list, which an in-place heal renews), each process
   contributing through its first device there and zeros (or the identity)
   through the others. What a host sends and receives is counted as the
@@ -135,7 +135,7 @@ class JaxCollective:
 
   @staticmethod
   def _mesh() -> tuple[Mesh, list[jax.Device]]:
-    mesh = _mesh_of(tuple(_group.devices()))
+    mesh = _mesh_of(tuple(_devices.devices()))
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     return mesh, local
 

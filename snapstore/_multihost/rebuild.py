@@ -1,6 +1,6 @@
 """Parity rebuilds in the sparse restore: only a lost host's stripes take part.
 
-A need no host holds a copy of (:mod:`._sparse`), in a step that carries
+A need no host holds a copy of (:mod:`snapstore._multihost.sparse`), in a step that carries
 parity, is looked for in the stripes (:mod:`._parity`) with a member that
 does not hold the step. Each surviving member of such a stripe offers its parity block
 (and says whether its block and its own pieces are usable); the lowest
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _parity
-from ._index import Index
-from ._manifest import Manifest, ParityRecord
-from ._planner import CopyKey
+from .. import _parity
+from .._index import Index
+from .._manifest import Manifest, ParityRecord
+from .._planner import CopyKey
 
 
 @dataclasses.dataclass(frozen=True)

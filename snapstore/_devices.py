@@ -10,7 +10,7 @@ the same (device, process incarnation) pairs, on CPU only
 of a collective's devices only, so a process that rejoined with the same id
 would otherwise meet the dead process's communicator and fail forever, and
 a survivors' communicator that failed mid-operation (or whose connections
-the failure shut, :mod:`._abort`) would meet leftover bytes. The new order
+the failure shut, :mod:`snapstore.recovery.watchdog`) would meet leftover bytes. The new order
 is drawn so that every group along one axis of a mesh reshaped from it (up
 to 3 axes), and the whole order, is new (:func:`rekeyed`); with 8 devices
 that leaves two such orders after the first, then a full restart. Groups it

@@ -1,0 +1,28 @@
+"""What snapstore ships for testing a job: a local supervisor, a worker's
+side of it, and the conformance suite every snapshot backend passes.
+
+- :func:`launch` (:mod:`.supervisor`) starts N host processes of a training
+  module with ``jax.distributed`` on CPU, kills them for real (:class:`Kill`)
+  and restarts them as JobSet would: the whole job, or one host in place.
+  ``snapstore launch`` is its command line.
+- :mod:`.worker`: what a process it starts calls (``init_from_env``, the
+  ``report_*`` functions, ``global_digest``).
+"""
+
+from .supervisor import (
+    Incarnation as Incarnation,
+    Kill as Kill,
+    Supervisor as Supervisor,
+    launch as launch,
+)
+from .worker import (
+    global_digest as global_digest,
+    in_place_from_env as in_place_from_env,
+    incarnation_from_env as incarnation_from_env,
+    init_from_env as init_from_env,
+    report_digest as report_digest,
+    report_restore as report_restore,
+)
+
+__all__ = ["Incarnation", "Kill", "Supervisor", "global_digest", "in_place_from_env",
+           "incarnation_from_env", "init_from_env", "launch", "report_digest", "report_restore"]
