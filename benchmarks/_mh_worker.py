@@ -81,7 +81,8 @@ def main() -> int:
   job = Job(a.mb, a.steps, a.step_s)
   abstract = job.abstract
   opts = snapstore.SnapshotOptions(store_dir=a.store, run_id="mh", keep=1,
-                                   replicas=a.replicas, hosts_per_domain=num_hosts // 2)
+                                   redundancy=snapstore.Replicas(a.replicas),
+                                   hosts_per_domain=num_hosts // 2)
   report: dict = {"hosts": num_hosts, "state_mb": job.state_mb}
   with snapstore.SnapshotManager(opts) as mgr:
     job.block(mgr)  # compile, allocate slots

@@ -37,9 +37,9 @@ def main() -> int:
   job = Job(a.mb, a.steps, a.step_s)
   common = dict(store_dir=a.store, keep=1, hosts_per_domain=1)
   mgrs = {"replica": snapstore.SnapshotManager(snapstore.SnapshotOptions(
-              run_id="replica", replicas=1, **common)),
+              run_id="replica", redundancy=snapstore.Replicas(1), **common)),
           "parity": snapstore.SnapshotManager(snapstore.SnapshotOptions(
-              run_id="parity", redundancy="parity", parity_k=a.parity_k, **common))}
+              run_id="parity", redundancy=snapstore.Parity(a.parity_k), **common))}
   report: dict = {"hosts": num_hosts, "domains": num_hosts, "parity_k": a.parity_k,
                   "state_mb": job.state_mb, "step_s": a.step_s}
   for mgr in mgrs.values():

@@ -201,7 +201,7 @@ def best_snapshot_interval(sc: Scenario, candidates: Sequence[int] = (1, 2, 5, 1
 
 
 def young_daly_interval(sc: Scenario) -> int:
-  """The interval ``SnapshotOptions(interval="auto")`` would choose here: the
+  """The interval ``SnapshotOptions(interval=AutoInterval(...))`` would choose here: the
   same rule (``snapstore._interval.young_daly_steps``) on this model's cost
   of one snapshot and the job's MTBF."""
   from snapstore._interval import young_daly_steps

@@ -11,7 +11,7 @@ redundancy). In the same processes, blocks of steps without snapshots, with
 store is wiped and every host restores the newest step: replicas, or a
 parity rebuild (median of ``--repeats``), checked bitwise. All four
 processes share this machine's cores: the ratios are the result. Also
-prints ``snapstore plan`` for a TPU v5p-sized job (175B params, 14 bytes a
+prints ``snapstore capacity`` for a TPU v5p-sized job (175B params, 14 bytes a
 param, 1,024 hosts).
 """
 
@@ -31,12 +31,12 @@ def run(mb: int, steps: int, rounds: int, repeats: int, k: int, step_s: float) -
       prefix="snapstore-parity-bench-", run_id="parity")
 
 
-def v5p_plan() -> dict:
+def v5p_capacity() -> dict:
   from snapstore.capacity import from_size
   state = int(175e9 * 14)
   return {"params": 175e9, "bytes_per_param": 14, "hosts": 1024, "keep": 2,
           "ram_bytes_per_host": 448 * 10**9,
-          "plans": [p.as_dict() for p in from_size(state, hosts=1024, keep=2)]}
+          "options": [p.as_dict() for p in from_size(state, hosts=1024, keep=2)]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--out", default="bench-results/parity.json")
   args = p.parse_args(argv)
   result = run(args.mb, args.steps, args.rounds, args.repeats, args.parity_k, args.step_s)
-  emit("parity", dict(result, v5p_plan=v5p_plan()), args.out)
+  emit("parity", dict(result, v5p_capacity=v5p_capacity()), args.out)
   return 0
 
 

@@ -109,7 +109,7 @@ def run(kills: int, hosts: int, seed: int) -> dict:
   rewinds = [x["rewind_steps"] for x in done if x["rewind_steps"] is not None]
   return {
       "kills": kills, "hosts": hosts, "seed": seed, "steps": steps,
-      "kill_plan": [{"host": k.host, "step": k.step, "phase": k.phase or "supervisor",
+      "kill_schedule": [{"host": k.host, "step": k.step, "phase": k.phase or "supervisor",
                      "lose_store": k.lose_store} for k in plan],
       "recoveries": recoveries, "restores_completed": len(done), "correct": correct,
       "fraction_correct": correct / max(len(done), 1),

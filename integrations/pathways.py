@@ -70,10 +70,13 @@ def slices_of(devices: Sequence[jax.Device]) -> dict[int, list[jax.Device]]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ElasticOptions:
-  """MaxText's elastic flags, plus the snapshot knobs.
+  """MaxText's elastic flags, plus the snapshots' own options.
 
   ``elastic_min_slice_count``: -1 waits for all slices (pause-resume); a
   smaller count continues on the slices that are up (replica-resize).
+  ``snapshots``: every :class:`SnapshotOptions` choice (interval, redundancy,
+  budget, busy policy, store directory, run id, Orbax interval) for the
+  per-slice stores.
   """
 
   elastic_enabled: bool = True
@@ -81,17 +84,15 @@ class ElasticOptions:
   elastic_max_retries: int = 3
   elastic_min_slice_count: int = -1
   elastic_poll_seconds: float = 10.0
-  snapshot_interval: int = 1
-  snapshot_replicas: int = 1
-  snapshot_keep: int = 2
-  snapshot_redundancy: str = "replica"  # or "parity" (SnapshotOptions.redundancy)
-  snapshot_parity_k: int = 3
+  snapshots: SnapshotOptions = dataclasses.field(default_factory=SnapshotOptions)
 
   def __post_init__(self) -> None:
     if self.elastic_max_retries < 0:
       raise ValueError("elastic_max_retries must be >= 0")
     if self.elastic_min_slice_count == 0 or self.elastic_min_slice_count < -1:
       raise ValueError("elastic_min_slice_count is -1 (all slices) or >= 1")
+    if not isinstance(self.snapshots, SnapshotOptions):
+      raise TypeError(f"snapshots must be a SnapshotOptions, got {self.snapshots!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +115,10 @@ class ElasticTrainer:
 
   Args:
     elastic: a ``pathwaysutils.elastic.manager.Manager``.
-    options: :class:`ElasticOptions`.
-    store_dir, run_id: where the per-slice stores live.
+    options: :class:`ElasticOptions`; its ``snapshots`` say where the
+      per-slice stores live and how often Orbax saves
+      (``persistent_interval``).
     persistent: the Orbax tier (path, ``gs://``, or :class:`OrbaxTier`).
-    persistent_interval: steps between Orbax checkpoints (0: never).
 
   ``run(loop, abstract_state)``: each attempt builds the abstract state for
   the active slices' devices, restores the freshest recoverable step (None on
@@ -126,21 +127,12 @@ class ElasticTrainer:
   """
 
   def __init__(self, elastic: Any, *, options: ElasticOptions | None = None,
-               store_dir: str | os.PathLike[str] = "/dev/shm/snapstore",
-               run_id: str = "default",
-               persistent: OrbaxTier | str | os.PathLike[str] | None = None,
-               persistent_interval: int = 0):
+               persistent: OrbaxTier | str | os.PathLike[str] | None = None):
     check_pathwaysutils()
     self.elastic = elastic
     self.options = options or ElasticOptions()
-    self.snapshots = SnapshotManager(
-        SnapshotOptions(interval=self.options.snapshot_interval,
-                        keep=self.options.snapshot_keep,
-                        replicas=self.options.snapshot_replicas, store_dir=store_dir,
-                        redundancy=self.options.snapshot_redundancy,
-                        parity_k=self.options.snapshot_parity_k,
-                        run_id=run_id, persistent_interval=persistent_interval),
-        persistent=persistent, slices=elastic.slice_to_devices)
+    self.snapshots = SnapshotManager(self.options.snapshots, persistent=persistent,
+                                     slices=elastic.slice_to_devices)
     self.events: list[ElasticEvent] = []
     self._attempt = 0
     self._lost: tuple[int, ...] = ()
@@ -225,7 +217,7 @@ class Snapshotter:
                persistent: OrbaxTier | str | os.PathLike[str] | None = None,
                slices: Slices | None = None):
     self.replica_axis_index = replica_axis_index
-    opts = options or SnapshotOptions(interval=1, keep=1, run_id="snapshotter")
+    opts = options or SnapshotOptions(keep=1, run_id="snapshotter")
     self._slices = slices if slices is not None else slices_of(jax.devices())
     self._mgr = SnapshotManager(opts, persistent=persistent, slices=self._slices)
     # where the last load came from (its ``state`` is None)

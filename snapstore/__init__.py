@@ -9,7 +9,6 @@ from .errors import (
     DeletedLeafError as DeletedLeafError,
     DrainFailedError as DrainFailedError,
     NothingToRestoreError as NothingToRestoreError,
-    SnapshotInProgressError as SnapshotInProgressError,
     SnapstoreError as SnapstoreError,
     StepNotFoundError as StepNotFoundError,
     StepOrderError as StepOrderError,
@@ -24,8 +23,12 @@ from .metrics import (
     Source as Source,
 )
 from .options import (
+    AutoInterval as AutoInterval,
     BusyPolicy as BusyPolicy,
+    Every as Every,
     FailurePolicy as FailurePolicy,
+    Parity as Parity,
+    Replicas as Replicas,
     SnapshotOptions as SnapshotOptions,
     StoreKind as StoreKind,
 )
@@ -33,10 +36,10 @@ from .options import (
 __version__ = "0.9.0"
 
 __all__ = [
-    "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError", "DeletedLeafError",
-    "DrainFailedError", "FailurePolicy",
-    "NothingToRestoreError", "OrbaxTier", "RestoreResult", "SaveMetrics",
-    "SnapshotInProgressError", "SnapshotManager", "SnapshotOptions",
+    "AutoInterval", "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError", "DeletedLeafError",
+    "DrainFailedError", "Every", "FailurePolicy",
+    "NothingToRestoreError", "OrbaxTier", "Parity", "Replicas", "RestoreResult", "SaveMetrics",
+    "SnapshotManager", "SnapshotOptions",
     "SnapstoreError", "Source", "StepNotFoundError", "StepOrderError", "StoreError", "StoreKind",
     "TreeMismatchError",
     "UnsafeStoreError", "UnsupportedLeafError",

@@ -21,6 +21,8 @@ import collections
 import math
 import statistics
 
+from .options import AutoInterval, Interval
+
 
 def young_daly_steps(cost_s: float, mtbf_s: float, step_s: float) -> int:
   """Snapshot every this many steps: ``max(1, floor(sqrt(2 C M) / step))``."""
@@ -29,7 +31,7 @@ def young_daly_steps(cost_s: float, mtbf_s: float, step_s: float) -> int:
   return max(1, math.floor(math.sqrt(2.0 * max(cost_s, 0.0) * mtbf_s) / step_s))
 
 
-class FixedInterval:
+class FixedSchedule:
   """A snapshot every ``interval`` steps (``step % interval == 0``)."""
 
   def __init__(self, interval: int):
@@ -46,7 +48,7 @@ class FixedInterval:
     pass
 
 
-class AutoInterval:
+class YoungDalySchedule:
   """Online Young/Daly interval from a window of recent measurements.
   ``save`` (training thread) and the drain thread report to it."""
 
@@ -102,12 +104,12 @@ class AutoInterval:
                    f"steps; cost = {how}")
 
 
-Schedule = FixedInterval | AutoInterval
+Schedule = FixedSchedule | YoungDalySchedule
 
 
-def schedule_for(interval: int | str, host_mtbf_s: float | None, hosts: int) -> Schedule:
-  """The policy for ``SnapshotOptions.interval`` (``"auto"``: Young/Daly with
-  the job's MTBF, one host's divided by ``hosts``)."""
-  if interval == "auto" and host_mtbf_s is not None:
-    return AutoInterval(host_mtbf_s / max(hosts, 1))
-  return FixedInterval(int(interval))
+def schedule_for(interval: Interval, hosts: int) -> Schedule:
+  """The policy for ``SnapshotOptions.interval`` (:class:`AutoInterval`:
+  Young/Daly with the job's MTBF, one host's divided by ``hosts``)."""
+  if isinstance(interval, AutoInterval):
+    return YoungDalySchedule(interval.host_mtbf_s / max(hosts, 1))
+  return FixedSchedule(interval.steps)

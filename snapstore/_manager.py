@@ -84,7 +84,7 @@ class SnapshotManager:
     self.metrics = SaveMetrics()
     self._arenas = ArenaCache()  # restore memory, reused (._arena)
     self._schedule = _interval.schedule_for(
-        self.options.interval, self.options.host_mtbf_s,
+        self.options.interval,
         max(self.num_hosts, len(self._backend.store_ids())))
     self.metrics.interval, self.metrics.interval_reason = (self._schedule.interval,
                                                            self._schedule.reason)

@@ -38,8 +38,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ._index import Index, nbytes as index_nbytes, normalize
 from ._manifest import PARITY_LEAF, member_length, pad4, pad4_sum
 
-__all__ = ["OPS", "PARITY_LEAF", "PARITY_PATH", "Layout", "Stripes", "contribution", "encode",
-           "evenly_sharded", "groups_error", "layout", "slice_stripes", "split", "stripes"]
+__all__ = [
+  "OPS",
+  "PARITY_LEAF",
+  "PARITY_PATH",
+  "StripeMembers",
+  "Stripes",
+  "contribution",
+  "encode",
+  "evenly_sharded",
+  "groups_error",
+  "layout",
+  "slice_stripes",
+  "split",
+  "stripes",
+]
 
 #: What a parity block's crc32c is seeded with (with its (stripe, block)).
 PARITY_PATH = "<parity>"
@@ -77,9 +90,9 @@ class Stripes:
 def groups_error(num_domains: int, k: int) -> str | None:
   """Why ``k`` does not fit ``num_domains`` domains, or None."""
   if num_domains > 1 and num_domains % (k + 1):
-    return (f"redundancy='parity' with parity_k={k} puts the failure domains in groups of "
-            f"{k + 1}; this job has {num_domains}. Pick parity_k + 1 dividing "
-            f"{num_domains} (e.g. parity_k={num_domains - 1}), or redundancy='replica'.")
+    return (f"redundancy=Parity(k={k}) puts the failure domains in groups of "
+            f"{k + 1}; this job has {num_domains}. Pick k + 1 dividing "
+            f"{num_domains} (e.g. Parity(k={num_domains - 1})), or Replicas(n).")
   return None
 
 
@@ -255,7 +268,7 @@ def encode(st: Stripes, arrays: Sequence[jax.Array], length: int, *, op: str = "
 
 # -------------------------------------------------------------- rebuild
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class StripeMembers:
   """One stripe as its parity records describe it."""
 
   members: tuple[int, ...]                                # store of each member
@@ -281,7 +294,7 @@ class Layout:
     return out
 
 
-def contribution(layout: Layout, lost: int, itemsize: Callable[[int], int],
+def contribution(layout: StripeMembers, lost: int, itemsize: Callable[[int], int],
                  piece: Callable[[int, Index], np.ndarray | None],
                  block: Callable[[int], np.ndarray | None]) -> np.ndarray:
   """This process's share of the rebuild of member ``lost``'s buffer, as
@@ -319,7 +332,7 @@ def contribution(layout: Layout, lost: int, itemsize: Callable[[int], int],
   return out
 
 
-def split(layout: Layout, member: int, buffer: np.ndarray, itemsize: Callable[[int], int]
+def split(layout: StripeMembers, member: int, buffer: np.ndarray, itemsize: Callable[[int], int]
           ) -> list[tuple[int, Index, np.ndarray]]:
   """(leaf, index, flat uint8 bytes) of each piece in a member's rebuilt buffer."""
   raw = buffer.view(np.uint8)

@@ -20,7 +20,7 @@ import numpy as np
 from . import errors
 from ._index import Index, align, full, nbytes as index_nbytes, tiles, volume
 from ._manifest import PARITY_LEAF, Manifest, ParityRecord, PieceRecord
-from ._parity import PARITY_PATH, Layout
+from ._parity import PARITY_PATH, StripeMembers
 from ._tree import LeafKind, LeafSpec, spec_row
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Rebuild:
 
   stripe: int
   lost: int
-  layout: Layout
+  layout: StripeMembers
   blocks: Mapping[int, Copy]
 
 
@@ -212,7 +212,7 @@ def _rebuilds(step: int, leaves: Sequence[LeafSpec],
         why = (f"step {step}: the {group} lost host {ref.members[x]} and the parity "
                f"blocks of hosts {[ref.members[j] for j in gone]} are unusable")
       else:
-        out.append(Rebuild(stripe, x, Layout(ref.members, ref.layout, ref.length),
+        out.append(Rebuild(stripe, x, StripeMembers(ref.members, ref.layout, ref.length),
                            {j: blocks[j] for j in range(n) if j != x}))
         for leaf, idx in ref.layout[x]:
           if not real((leaf, idx)) and not copies.get((leaf, idx)):

@@ -104,7 +104,7 @@ class Saver:
     # healed in place (count 0) would move replicas while its peers do not
     # (mismatched collectives: gloo aborts the process on the size mismatch).
     travel = self.options.carries_replicas(step)
-    copies = 1 if self.options.redundancy == "parity" else self.options.replicas
+    copies = self.options.copies
     try:
       with _switch.collections_paused(self.options.pause_gc):
         return self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)

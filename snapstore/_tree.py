@@ -269,7 +269,7 @@ def check_compatible(saved: Sequence[LeafSpec], target: Sequence[LeafSpec],
 
 
 @functools.lru_cache(maxsize=4096)
-def _piece_plan(leaf_idx: int, sharding: jax.sharding.Sharding, shape: tuple[int, ...],
+def _pieces_of(leaf_idx: int, sharding: jax.sharding.Sharding, shape: tuple[int, ...],
                 itemsize: int) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
   """(device ids, pieces): one device per distinct index, lowest id first."""
   out: dict[Index, tuple[int, Piece]] = {}
@@ -312,7 +312,7 @@ def addressable_data(leaf_idx: int, arr: jax.Array) -> tuple[tuple[Piece, ...], 
   """:func:`addressable_pieces` as (pieces, their single-device data): the
   pieces are the same tuple for every array of one layout (a save of a
   state of thousands of shards extends its lists with them at once)."""
-  ids, pieces = _piece_plan(leaf_idx, arr.sharding, tuple(arr.shape),
+  ids, pieces = _pieces_of(leaf_idx, arr.sharding, tuple(arr.shape),
                             np.dtype(arr.dtype).itemsize)
   if arr.is_fully_replicated:  # one device's copy for every position: by device
     by_id = {s.device.id: s.data for s in arr.addressable_shards}

@@ -1,12 +1,12 @@
-"""Memory plan: the host RAM each redundancy option needs, before a run.
+"""Capacity: the host RAM each redundancy option needs, before a run.
 
 A host keeps, per snapshot, its own pieces plus what it holds for other
 failure domains: ``replicas`` full copies of the pieces that have no
-data-parallel twin in another domain, or with parity one block of ``1 / k``
+data-parallel twin in another domain, or with :class:`Parity` one block of ``1 / k``
 of them. A store holds ``keep + 1`` snapshots at once (the newest ``keep``
 and the one being written). :func:`from_state` reads the pieces from a
 state's shardings (every host's, from any process); :func:`from_size` takes
-the sizes (``snapstore plan`` on the command line).
+the sizes (``snapstore capacity`` on the command line).
 """
 
 from __future__ import annotations
@@ -21,41 +21,36 @@ import jax
 
 from ._index import nbytes as index_nbytes, normalize
 from ._placement import host_domains
+from .options import Parity, Redundancy, Replicas
 
-__all__ = ["DEFAULT_OPTIONS", "HostPlan", "Option", "from_size", "from_state"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-  """A redundancy setting: ``replicas`` full copies, or parity of group size ``k``."""
-
-  replicas: int = 0
-  parity_k: int | None = None
-
-  @property
-  def label(self) -> str:
-    if self.parity_k is not None:
-      return f"parity k={self.parity_k}"
-    return f"replicas={self.replicas}"
-
-  def extra(self, unprotected: int) -> int:
-    if self.parity_k is not None:
-      return math.ceil(unprotected / self.parity_k)
-    return self.replicas * unprotected
-
-  def fits(self, domains: int) -> bool:
-    """Whether this option can protect anything with ``domains`` domains."""
-    if self.parity_k is not None:
-      return domains >= self.parity_k + 1 and domains % (self.parity_k + 1) == 0
-    return self.replicas < domains or self.replicas == 0
+__all__ = ["DEFAULT_OPTIONS", "HostBytes", "from_size", "from_state", "label"]
 
 
-DEFAULT_OPTIONS = (Option(0), Option(1), Option(2), Option(parity_k=1), Option(parity_k=3),
-                   Option(parity_k=7))
+def label(option: Redundancy) -> str:
+  """``"replicas=N"`` or ``"parity k=K"``: a plan's name."""
+  return (f"parity k={option.k}" if isinstance(option, Parity)
+          else f"replicas={option.copies}")
+
+
+def _extra(option: Redundancy, unprotected: int) -> int:
+  if isinstance(option, Parity):
+    return math.ceil(unprotected / option.k)
+  return option.copies * unprotected
+
+
+def _fits(option: Redundancy, domains: int) -> bool:
+  """Whether ``option`` can protect anything with ``domains`` domains."""
+  if isinstance(option, Parity):
+    return domains >= option.k + 1 and domains % (option.k + 1) == 0
+  return option.copies < domains or option.copies == 0
+
+
+DEFAULT_OPTIONS: tuple[Redundancy, ...] = (
+    Replicas(0), Replicas(1), Replicas(2), Parity(1), Parity(3), Parity(7))
 
 
 @dataclasses.dataclass(frozen=True)
-class HostPlan:
+class HostBytes:
   """One option's bytes on the busiest host."""
 
   option: str
@@ -72,15 +67,15 @@ class HostPlan:
     return {**dataclasses.asdict(self), "total": self.total}
 
 
-def _plans(own: int, unprotected: int, *, keep: int, domains: int,
-           options: Sequence[Option]) -> list[HostPlan]:
-  return [HostPlan(o.label, own, o.extra(unprotected) if o.fits(domains) else 0, keep + 1,
-                   o.fits(domains)) for o in options]
+def _host_bytes(own: int, unprotected: int, *, keep: int, domains: int,
+           options: Sequence[Redundancy]) -> list[HostBytes]:
+  return [HostBytes(label(o), own, _extra(o, unprotected) if _fits(o, domains) else 0,
+                   keep + 1, _fits(o, domains)) for o in options]
 
 
 def from_size(state_bytes: int, *, hosts: int, hosts_per_domain: int = 1,
               data_parallel: int = 1, keep: int = 2,
-              options: Sequence[Option] = DEFAULT_OPTIONS) -> list[HostPlan]:
+              options: Sequence[Redundancy] = DEFAULT_OPTIONS) -> list[HostBytes]:
   """A state of ``state_bytes`` sharded evenly over ``hosts``, held
   ``data_parallel`` times (each copy in other domains: its pieces need no
   extra bytes when ``data_parallel > 1``)."""
@@ -88,12 +83,12 @@ def from_size(state_bytes: int, *, hosts: int, hosts_per_domain: int = 1,
     raise ValueError(f"{hosts} hosts do not split into {data_parallel} data-parallel copies "
                      f"of domains of {hosts_per_domain}")
   own = math.ceil(state_bytes * data_parallel / hosts)
-  return _plans(own, own if data_parallel == 1 else 0, keep=keep,
+  return _host_bytes(own, own if data_parallel == 1 else 0, keep=keep,
                 domains=hosts // hosts_per_domain, options=options)
 
 
 def from_state(state: Any, *, hosts_per_domain: int | None = None, keep: int = 2,
-               options: Sequence[Option] = DEFAULT_OPTIONS) -> list[HostPlan]:
+               options: Sequence[Redundancy] = DEFAULT_OPTIONS) -> list[HostBytes]:
   """From the shardings of ``state`` (arrays or ``ShapeDtypeStruct`` with
   shardings; leaves without one are ignored): the busiest host's bytes per
   option. Each distinct piece a host holds counts once; a piece held by one
@@ -118,5 +113,5 @@ def from_state(state: Any, *, hosts_per_domain: int | None = None, keep: int = 2
       if len({domains[h] for h in hosts}) == 1:
         unprotected[min(hosts)] += n
   busiest = max(own, key=lambda h: own[h] + unprotected[h], default=0)
-  return _plans(own.get(busiest, 0), unprotected.get(busiest, 0), keep=keep,
+  return _host_bytes(own.get(busiest, 0), unprotected.get(busiest, 0), keep=keep,
                 domains=len(set(domains.values())), options=options)

@@ -1,4 +1,4 @@
-"""The snapstore command line: ``demo``, ``launch``, ``inspect``, ``plan``, ``bench``.
+"""The snapstore command line: ``demo``, ``launch``, ``inspect``, ``capacity``, ``bench``.
 
 Plain-text output; ``demo`` (the ``[demo]`` extra) draws with rich. The
 library itself never configures logging: this does.
@@ -39,26 +39,26 @@ def _inspect(args: argparse.Namespace) -> int:
   return 0
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _capacity(args: argparse.Namespace) -> int:
   from .capacity import from_size
   state = int(args.params * args.bytes_per_param)
   try:
-    plans = from_size(state, hosts=args.hosts, hosts_per_domain=args.hosts_per_domain,
+    needs = from_size(state, hosts=args.hosts, hosts_per_domain=args.hosts_per_domain,
                       data_parallel=args.data_parallel, keep=args.keep)
   except ValueError as e:
-    print(f"snapstore plan: {e}", file=sys.stderr)
+    print(f"snapstore capacity: {e}", file=sys.stderr)
     return 2
   if args.json:
     print(json.dumps({"state_bytes": state, "hosts": args.hosts, "keep": args.keep,
                       "ram_bytes": int(args.ram_gb * 1e9),
-                      "plans": [p.as_dict() for p in plans]}, indent=2))
+                      "options": [p.as_dict() for p in needs]}, indent=2))
     return 0
   gb = lambda n: f"{n / 1e9:,.2f}"  # noqa: E731
   ram = args.ram_gb * 1e9
   rows = [[p.option, gb(p.own), gb(p.extra) if p.possible else "n/a", p.snapshots,
            gb(p.total) if p.possible else "n/a",
-           f"{p.total / ram:.0%}" if p.possible else "-"] for p in plans]
-  print(_table(f"snapstore plan: {args.params:.3g} params x {args.bytes_per_param:g} B "
+           f"{p.total / ram:.0%}" if p.possible else "-"] for p in needs]
+  print(_table(f"snapstore capacity: {args.params:.3g} params x {args.bytes_per_param:g} B "
                f"= {gb(state)} GB over {args.hosts} hosts (domains of {args.hosts_per_domain}, "
                f"{args.data_parallel} data-parallel cop{'y' if args.data_parallel == 1 else 'ies'}"
                f"), keep={args.keep}; GB per host",
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   la.add_argument("--json", default=None, help="write the incarnation report here")
   la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
   la.set_defaults(fn=_launch)
-  pl = sub.add_parser("plan", help="host RAM per redundancy option (replicas, parity) "
+  pl = sub.add_parser("capacity", help="host RAM per redundancy option (replicas, parity) "
                       "for a state of a given size, before a run")
   pl.add_argument("--params", type=float, required=True, help="parameters, e.g. 175e9")
   pl.add_argument("--bytes-per-param", type=float, default=14.0,
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   pl.add_argument("--keep", type=int, default=2)
   pl.add_argument("--ram-gb", type=float, default=448.0, help="host RAM (TPU v5p: 448)")
   pl.add_argument("--json", action="store_true")
-  pl.set_defaults(fn=_plan)
+  pl.set_defaults(fn=_capacity)
   b = sub.add_parser("bench", help="run benchmarks/NAME.py (from the repository root)")
   b.add_argument("name")
   b.add_argument("rest", nargs=argparse.REMAINDER)

@@ -53,10 +53,6 @@ class DrainFailedError(SnapstoreError, RuntimeError):
   the original error is its ``__cause__``. Nothing of that step was committed."""
 
 
-#: The name of :class:`DrainFailedError` before 0.2 (kept as an alias).
-SnapshotInProgressError = DrainFailedError
-
-
 class UnsupportedLeafError(SnapstoreError, TypeError):
   """``save`` was given a leaf that a restore could not read back (a dtype
   outside the supported set, a scalar msgpack cannot carry). Names the leaf.

@@ -1,4 +1,10 @@
-"""Frozen, validated option dataclasses and the policies users swap."""
+"""Frozen, validated option dataclasses and the policies users swap.
+
+A choice is a type: ``interval=Every(10)`` or ``AutoInterval(host_mtbf_s=...)``,
+``redundancy=Replicas(1)`` or ``Parity(k=3)``; each carries its own
+parameters and checks them. Tuning knobs stay flat fields of
+:class:`SnapshotOptions`.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,16 @@ import re
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 DEFAULT_STORE_DIR = "/dev/shm/snapstore"
+MAX_INT = 2**48  # steps, incarnations, sizes: far beyond use, far below overflow
+
+
+def _int_option(name: str, value: object, minimum: int, also: str = "") -> None:
+  """Raises (naming the option) unless ``value`` is an int in [``minimum``,
+  2**48] (bool and float are refused: ``interval=True`` is a mistake)."""
+  if type(value) is not int or not minimum <= value <= MAX_INT:
+    kind = TypeError if type(value) is not int else ValueError
+    raise kind(f"{name} must be an int in [{minimum}, 2**48]{' ' + also if also else ''}, "
+               f"got {value!r}")
 
 
 class BusyPolicy(enum.Enum):
@@ -37,17 +53,67 @@ class StoreKind(enum.Enum):
   PINNED_HOST = "pinned_host"  # pinned_host jax.Arrays on each slice's hosts
 
 
+@dataclasses.dataclass(frozen=True)
+class Every:
+  """A snapshot every ``steps`` steps (the steps with ``step % steps == 0``)."""
+
+  steps: int = 1
+
+  def __post_init__(self) -> None:
+    _int_option("Every.steps", self.steps, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoInterval:
+  """The Young/Daly interval, from measured snapshot costs and one host's
+  mean time between failures in seconds (the job's is this divided by the
+  hosts). ``mgr.metrics.interval`` and ``interval_reason`` say which and why."""
+
+  host_mtbf_s: float
+
+  def __post_init__(self) -> None:
+    if type(self.host_mtbf_s) not in (int, float) or not self.host_mtbf_s > 0:
+      raise ValueError("AutoInterval needs host_mtbf_s: one host's mean time between "
+                       f"failures in seconds, got {self.host_mtbf_s!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+  """``copies`` full copies of each shard without a data-parallel twin, in
+  the next failure domains in ring order (0: none, RAM-only)."""
+
+  copies: int = 1
+
+  def __post_init__(self) -> None:
+    _int_option("Replicas.copies", self.copies, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parity:
+  """The failure domains form groups of ``k + 1`` in ring order, and each
+  keeps one parity block (``1 / k`` of its bytes) of the others' shards:
+  losing one domain of a group is recoverable for ``1 + 1/k`` of the state
+  in RAM instead of ``2x`` (multi-host; ``snapstore capacity`` shows both)."""
+
+  k: int = 3
+
+  def __post_init__(self) -> None:
+    _int_option("Parity.k", self.k, 1)
+    if self.k > 1023:
+      raise ValueError(f"Parity.k must be at most 1023, got {self.k}")
+
+
+Interval = Every | AutoInterval
+Redundancy = Replicas | Parity
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SnapshotOptions:
   """How often, how many and where snapshots are kept.
 
   Attributes:
-    interval: take a snapshot every ``interval`` steps (``step % interval == 0``),
-      or ``"auto"``: the Young/Daly interval from measured snapshot costs and
-      ``host_mtbf_s`` (``mgr.metrics.interval`` and ``interval_reason`` say
-      which and why).
-    host_mtbf_s: with ``interval="auto"``: one host's mean time between
-      failures in seconds (the job's is this divided by the hosts).
+    interval: when to snapshot: :class:`Every` (``Every(1)``: every step) or
+      :class:`AutoInterval`.
     keep: newest complete snapshots kept in the host store.
     budget_bytes: byte budget of this host's store, or of each slice's
       pinned-host store (``None``: no budget beyond the free space of
@@ -64,19 +130,12 @@ class SnapshotOptions:
       on; the last complete snapshot stays restorable).
     copy_threads: worker threads that copy and checksum shards.
     chunk_bytes: unit of copy and checksum.
-    replicas: copies of each shard kept in other failure domains (multi-host),
-      with ``redundancy="replica"``.
-    redundancy: ``"replica"`` (``replicas`` full copies of a shard without a
-      data-parallel twin, in the next domains) or ``"parity"``: the domains
-      form groups of ``parity_k + 1`` in ring order and each keeps one parity
-      block (``1 / parity_k`` of its bytes) of the others' shards, so losing
-      one domain of a group is recoverable for ``1 + 1/k`` of the state in RAM
-      instead of ``2x`` (multi-host; ``snapstore plan`` shows both).
-    parity_k: with ``redundancy="parity"``: the data domains per parity block.
+    redundancy: how each shard is protected in another failure domain:
+      :class:`Replicas` (``Replicas(1)``: one full copy) or :class:`Parity`.
     replica_interval: the replicas (or parity) travel with every
       this-many-th snapshot (1: every one): the snapshot of step ``s``
       carries them when ``(s // interval) % replica_interval == 0``
-      (``interval="auto"``: when ``s % replica_interval == 0``), the same on
+      (``AutoInterval``: when ``s % replica_interval == 0``), the same on
       every process (a replacement healed in place too;
       :meth:`carries_replicas`). In between, a store keeps only its own
       pieces, so losing a domain rewinds to the newest snapshot whose
@@ -117,8 +176,7 @@ class SnapshotOptions:
       than the newest in the stores (agreed across hosts).
   """
 
-  interval: int | str = 1
-  host_mtbf_s: float | None = None
+  interval: Interval = Every(1)
   keep: int = 2
   budget_bytes: int | None = None
   store_dir: str | os.PathLike[str] = DEFAULT_STORE_DIR
@@ -128,9 +186,7 @@ class SnapshotOptions:
   failure_policy: FailurePolicy = FailurePolicy.CONTINUE
   copy_threads: int = 2
   chunk_bytes: int = 16 << 20
-  replicas: int = 1
-  redundancy: str = "replica"
-  parity_k: int = 3
+  redundancy: Redundancy = Replicas(1)
   replica_interval: int = 1
   hosts_per_domain: int | None = None
   incarnation: int | None = None
@@ -141,13 +197,12 @@ class SnapshotOptions:
   prefault_restore: bool = True
 
   def __post_init__(self):
-    if self.interval == "auto":
-      mtbf = self.host_mtbf_s
-      if type(mtbf) not in (int, float) or mtbf is None or not mtbf > 0:
-        raise ValueError("interval='auto' needs host_mtbf_s: one host's mean time "
-                         f"between failures in seconds, got {self.host_mtbf_s!r}")
-    else:
-      _int_option("interval", self.interval, 1, "or 'auto'")
+    if not isinstance(self.interval, (Every, AutoInterval)):
+      raise TypeError(f"interval must be Every(steps) or AutoInterval(host_mtbf_s=...), "
+                      f"got {self.interval!r}")
+    if not isinstance(self.redundancy, (Replicas, Parity)):
+      raise TypeError(f"redundancy must be Replicas(copies) or Parity(k), "
+                      f"got {self.redundancy!r}")
     _int_option("keep", self.keep, 1)
     _int_option("copy_threads", self.copy_threads, 1)
     _int_option("chunk_bytes", self.chunk_bytes, 4096)
@@ -159,13 +214,7 @@ class SnapshotOptions:
     if self.budget_bytes is not None:
       _int_option("budget_bytes", self.budget_bytes, 1, "or None")
     _int_option("persistent_interval", self.persistent_interval, 0, "(0 disables)")
-    _int_option("replicas", self.replicas, 0)
     _int_option("replica_interval", self.replica_interval, 1)
-    if self.redundancy not in ("replica", "parity"):
-      raise ValueError(f"redundancy is 'replica' or 'parity', got {self.redundancy!r}")
-    _int_option("parity_k", self.parity_k, 1)
-    if self.parity_k > 1023:
-      raise ValueError(f"parity_k must be at most 1023, got {self.parity_k}")
     if self.hosts_per_domain is not None:
       _int_option("hosts_per_domain", self.hosts_per_domain, 1, "or None")
     for name in ("pause_gc", "prefault_restore"):
@@ -202,17 +251,16 @@ class SnapshotOptions:
     """Whether the snapshot of ``step`` carries the replicas (or parity):
     from the step and the options only, so every process, and every store's
     retention, agrees (a count of one process's snapshots would not)."""
-    every = self.interval if isinstance(self.interval, int) else 1
+    every = self.interval.steps if isinstance(self.interval, Every) else 1
     return (step // every) % self.replica_interval == 0
 
+  @property
+  def copies(self) -> int:
+    """Copies of a shard that travel to other domains: a replica's, or the
+    one parity block's source pieces (parity rides the ring once)."""
+    return 1 if isinstance(self.redundancy, Parity) else self.redundancy.copies
 
-MAX_INT = 2**48  # steps, incarnations, sizes: far beyond use, far below overflow
-
-
-def _int_option(name: str, value: object, minimum: int, also: str = "") -> None:
-  """Raises (naming the option) unless ``value`` is an int in [``minimum``,
-  2**48] (bool and float are refused: ``interval=True`` is a mistake)."""
-  if type(value) is not int or not minimum <= value <= MAX_INT:
-    kind = TypeError if type(value) is not int else ValueError
-    raise kind(f"{name} must be an int in [{minimum}, 2**48]{' ' + also if also else ''}, "
-               f"got {value!r}")
+  @property
+  def parity_k(self) -> int | None:
+    """``k`` under :class:`Parity`, else None."""
+    return self.redundancy.k if isinstance(self.redundancy, Parity) else None

@@ -1,4 +1,4 @@
-"""A 2-process in-place job (``tests/test_abort.py``): one all-reduce to set
+"""A 2-process in-place job (``tests/test_watchdog.py``): one all-reduce to set
 up gloo, then process 1 freezes itself (SIGSTOP: alive, silent, its sockets
 open) while process 0 waits in the next all-reduce. Process 0 writes what
 ended its wait to ``argv[1]``. The collective timeout is 600 s, so only the

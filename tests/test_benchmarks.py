@@ -155,7 +155,7 @@ def test_parity_benchmark_keeps_a_third_of_the_replica_bytes_and_restores_bitwis
   assert result["parity"]["bytes_rebuilt"] > 0 and result["replica"]["bytes_rebuilt"] == 0
   _positive(result["encode_sum_s"], result["encode_xor_vs_sum"])
   assert result["parity"]["ram_bytes_per_host_max"] < result["replica"]["ram_bytes_per_host_max"]
-  plans = {p["option"]: p for p in result["v5p_plan"]["plans"]}
+  plans = {p["option"]: p for p in result["v5p_capacity"]["options"]}
   assert plans["parity k=3"]["extra"] * 3 == pytest.approx(plans["replicas=1"]["extra"], rel=1e-6)
 
 
@@ -209,7 +209,7 @@ def test_soak_benchmark_recovers_every_kill_bitwise(tmp_path):
   """Two seeded kills (one mid-snapshot, one with the store wiped): every
   completed restore is bitwise equal to the uninterrupted run, from RAM."""
   result = _run(soak, ["--kills", "2", "--seed", "3"], tmp_path / "s.json")
-  assert len(result["kill_plan"]) == 2
+  assert len(result["kill_schedule"]) == 2
   assert result["restores_completed"] >= 1
   assert result["fraction_correct"] == 1.0 and result["partial_restores"] == 0
   assert result["final_state_equal"]

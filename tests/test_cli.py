@@ -70,3 +70,22 @@ def test_a_new_process_is_armed_with_its_phase_kills_and_a_restore_kill_only_nex
   assert _arming([again, other, later], 1) == [again, later]
   assert _arming(pending, 2) == [other]
   assert _arming(pending, 0) == []
+
+
+def test_capacity_reports_each_redundancy_option_per_host(capsys):
+  """``snapstore capacity``: 1.4e12 bytes over 1,024 one-host domains; a
+  replica doubles a host's bytes per snapshot, parity k=3 adds a third."""
+  import json
+  assert cli.main(["capacity", "--params", "1e11", "--hosts", "1024", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  by = {o["option"]: o for o in out["options"]}
+  own = by["replicas=0"]["own"]
+  assert own == -(-int(1e11 * 14) // 1024) and by["replicas=0"]["extra"] == 0
+  assert by["replicas=1"]["extra"] == own and by["parity k=3"]["extra"] == -(-own // 3)
+  assert by["parity k=7"]["snapshots"] == 3  # keep=2, and the one being written
+
+
+def test_capacity_refuses_hosts_that_do_not_split_into_domains(capsys):
+  assert cli.main(["capacity", "--params", "1e9", "--hosts", "6",
+                   "--hosts-per-domain", "4"]) == 2
+  assert "do not split" in capsys.readouterr().err

@@ -103,7 +103,8 @@ def test_a_symlinked_slot_is_never_written_through(store_dir, tmp_path):
 @pytest.mark.parametrize("kw", [dict(run_id=".."), dict(run_id="."), dict(run_id="a/b"),
                                 dict(store_dir=""), dict(interval=True),
                                 dict(chunk_bytes=4096.0), dict(keep="2"),
-                                dict(budget_bytes=1.5e9), dict(replicas=-1),
+                                dict(budget_bytes=1.5e9), dict(redundancy=1),
+                                dict(redundancy="parity"), dict(interval=3),
                                 dict(drain_switch_interval_s=0),
                                 dict(drain_switch_interval_s=2.0),
                                 dict(drain_switch_interval_s="1ms"),
@@ -112,6 +113,17 @@ def test_bad_options_are_refused_naming_the_option(kw):
   (name,) = kw
   with pytest.raises((TypeError, ValueError), match=name):
     snapstore.SnapshotOptions(**kw)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: snapstore.Every(0), "Every.steps"), (lambda: snapstore.Every(True), "Every.steps"),
+    (lambda: snapstore.Replicas(-1), "Replicas.copies"),
+    (lambda: snapstore.Parity(0), "Parity.k"), (lambda: snapstore.Parity(1024), "Parity.k"),
+    (lambda: snapstore.AutoInterval(0), "host_mtbf_s"),
+    (lambda: snapstore.AutoInterval(None), "host_mtbf_s")])
+def test_a_bad_choice_is_refused_naming_its_parameter(make, name):
+  with pytest.raises((TypeError, ValueError), match=name):
+    make()
 
 
 # --------------------------------------------------------- nothing lost
@@ -396,3 +408,14 @@ def test_a_64_bit_leaf_is_not_narrowed_into_a_jax_array_without_x64(store_dir):
       with pytest.raises(snapstore.TreeMismatchError, match=f"'{leaf}'.*jax_enable_x64"):
         mgr.restore(target)
     assert_bitwise_equal(state, mgr.restore(state).state)
+
+
+def test_every_public_error_is_a_snapstore_error():
+  """One root: ``except snapstore.SnapstoreError`` catches every error the
+  library defines, the in-place ones too."""
+  from snapstore import errors, recovery
+  defined = [v for m in (errors, recovery) for v in vars(m).values()
+             if isinstance(v, type) and issubclass(v, BaseException)]
+  assert {e.__name__ for e in defined} >= {"RestartRequired", "PeerFailed", "MembersMissing",
+                                           "StoreError", "DrainFailedError"}
+  assert [e for e in defined if not issubclass(e, errors.SnapstoreError)] == []

@@ -1,4 +1,4 @@
-"""``interval="auto"``: the Young/Daly rule, and the interval a manager
+"""``interval=AutoInterval(...)``: the Young/Daly rule, and the interval a manager
 chooses from what it measures (1 for a tiny state, more for a costly one)."""
 
 import math
@@ -29,7 +29,7 @@ def test_rule_grows_with_cost_and_mtbf_and_shrinks_with_step():
 
 
 def run_auto(store_dir, state, step_fn, steps, mtbf):
-  opts = snapstore.SnapshotOptions(store_dir=store_dir, interval="auto", host_mtbf_s=mtbf)
+  opts = snapstore.SnapshotOptions(store_dir=store_dir, interval=snapstore.AutoInterval(mtbf))
   saved = 0
   with snapstore.SnapshotManager(opts) as mgr:
     for s in range(steps):
@@ -60,5 +60,7 @@ def test_auto_interval_is_1_for_a_tiny_state_and_grows_for_a_costly_one(store_di
 
 
 def test_auto_needs_an_mtbf():
-  with pytest.raises(ValueError, match="host_mtbf_s"):
+  with pytest.raises(TypeError, match="host_mtbf_s"):
+    snapstore.AutoInterval()  # type: ignore[call-arg]
+  with pytest.raises(TypeError, match="AutoInterval"):
     snapstore.SnapshotOptions(interval="auto")

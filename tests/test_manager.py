@@ -396,7 +396,7 @@ def test_wait_policy_waits_and_counts(trainer, store_dir):
 
 def test_interval_and_non_snapshot_steps(trainer, store_dir):
   state = trainer.init_state()
-  with snapstore.SnapshotManager(opts(store_dir, interval=3, keep=5)) as mgr:
+  with snapstore.SnapshotManager(opts(store_dir, interval=snapstore.Every(3), keep=5)) as mgr:
     took = [mgr.save(s, state) for s in range(7)]
     mgr.wait_until_finished()
     assert took == [True, False, False, True, False, False, True]
@@ -405,8 +405,8 @@ def test_interval_and_non_snapshot_steps(trainer, store_dir):
 
 
 def test_bad_arguments_raise_clear_errors(trainer, store_dir):
-  with pytest.raises(ValueError, match="interval"):
-    snapstore.SnapshotOptions(interval=0)
+  with pytest.raises(ValueError, match=r"Every\.steps"):
+    snapstore.SnapshotOptions(interval=snapstore.Every(0))
   with pytest.raises(ValueError, match="run_id"):
     snapstore.SnapshotOptions(run_id="../etc")
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from snapstore import Every
 from snapstore.integrations.maxtext import (
     MaxTextConfigError,
     snapshot_options,
@@ -69,7 +70,7 @@ def test_snapshot_keys_are_split_parsed_and_checked_by_name():
   rest, ours = split_snapshot_keys(["steps=5", "snapshot_interval=2", "snapshot_keep=3"])
   assert rest == ["steps=5"] and ours == {"snapshot_interval": 2, "snapshot_keep": 3}
   opts = snapshot_options({**ours, "run_name": "r"})
-  assert (opts.interval, opts.keep, opts.run_id) == (2, 3, "r")
+  assert (opts.interval, opts.keep, opts.run_id) == (Every(2), 3, "r")
   assert snapshot_options({"snapshot_interval": 0}) is None
   for bad, named in [({"snapshot_keep": 0}, "snapshot_keep=0"),
                      ({"snapshot_interval": 0, "snapshot_replicas": -1}, "snapshot_replicas=-1"),

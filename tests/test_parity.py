@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from snapstore import SnapshotOptions, _parity, _planner, errors
+from snapstore import Parity, SnapshotOptions, _parity, _planner, errors
 from snapstore._checksum import ChecksumKind
 from snapstore._index import to_slices
 from snapstore._manifest import (
@@ -69,8 +69,9 @@ def test_any_one_member_is_rebuilt_bitwise_from_parity_and_the_others(k):
       host[names[leaf]][to_slices(idx)]).reshape(-1).view(np.uint8)
   blocks = {st.where[s.device]: np.asarray(s.data).reshape(-1) for s in out.addressable_shards}
   for s in range(st.grid.shape[0]):
-    layout = _parity.Layout(tuple(range(st.n)), tuple(layouts[s * st.n + m] for m in range(st.n)),
-                            length)
+    layout = _parity.StripeMembers(tuple(range(st.n)),
+                                   tuple(layouts[s * st.n + m] for m in range(st.n)),
+                                   length)
     for lost in range(st.n):
       buf = _parity.contribution(layout, lost, itemsize, piece, lambda j, s=s: blocks[(s, j)])
       got = _parity.split(layout, lost, buf, itemsize)
@@ -89,17 +90,17 @@ def test_any_one_member_is_rebuilt_bitwise_from_parity_and_the_others(k):
 def test_groups_must_divide_the_domains():
   assert _parity.groups_error(4, 3) is None and _parity.groups_error(1, 3) is None
   assert "groups of 4" in _parity.groups_error(6, 3)
-  with pytest.raises(ValueError, match="redundancy"):
+  with pytest.raises(TypeError, match="redundancy"):
     SnapshotOptions(redundancy="erasure")
-  with pytest.raises(ValueError, match="parity_k"):
-    SnapshotOptions(redundancy="parity", parity_k=0)
+  with pytest.raises(ValueError, match=r"Parity\.k"):
+    SnapshotOptions(redundancy=Parity(k=0))
 
 
 def test_parity_with_host_files_on_a_single_controller_is_refused(store_dir):
   from snapstore import SnapshotManager, StoreKind
   devs = jax.devices()
   with pytest.raises(ValueError, match="pinned_host store"):
-    SnapshotManager(SnapshotOptions(store_dir=store_dir, redundancy="parity",
+    SnapshotManager(SnapshotOptions(store_dir=store_dir, redundancy=Parity(3),
                                     store=StoreKind.HOST_FILES),
                     slices={0: devs[:4], 1: devs[4:]})
 
@@ -188,7 +189,7 @@ def test_pinned_store_never_rebuilds_from_a_flipped_byte(store_dir):
   from tests.test_backends import abstract, awkward_state, save_steps
   devs = jax.devices()
   s2d = {k: devs[2 * k:2 * k + 2] for k in range(4)}
-  opts = SnapshotOptions(store_dir=store_dir, keep=3, redundancy="parity", parity_k=3,
+  opts = SnapshotOptions(store_dir=store_dir, keep=3, redundancy=Parity(k=3),
                          store=StoreKind.PINNED_HOST)
   with SnapshotManager(opts, slices=s2d) as mgr:
     refs = save_steps(mgr, [1, 2, 3])
@@ -221,7 +222,8 @@ def test_the_xor_variant_benchmarked_beside_the_sum_is_the_classic_parity():
   itemsize = lambda leaf: host[names[leaf]].dtype.itemsize  # noqa: E731
   for shard in out.addressable_shards:
     s, j = st.where[shard.device]
-    layout = _parity.Layout(tuple(range(4)), tuple(layouts[s * 4 + m] for m in range(4)), length)
+    layout = _parity.StripeMembers(tuple(range(4)),
+                                   tuple(layouts[s * 4 + m] for m in range(4)), length)
     want = np.zeros(length // 12, np.uint32)
     for d in range(4):
       if d != j:
@@ -259,7 +261,7 @@ def test_leaves_in_host_memory_or_complex_keep_full_replicas_not_parity(store_di
   abstract_state = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   expected = {k: np.asarray(v).copy() for k, v in state.items()}
-  opts = SnapshotOptions(store_dir=store_dir, keep=1, redundancy="parity",
+  opts = SnapshotOptions(store_dir=store_dir, keep=1, redundancy=Parity(3),
                          store=StoreKind.PINNED_HOST, pinned_checksum=checksum)
   with SnapshotManager(opts, slices=s2d) as mgr:
     for step in (1, 2, 3):  # retention frees the older slots

@@ -7,6 +7,7 @@ the simulator's lost slices. Everything else is real: ``Manager.elastic_retry``,
 the snapshot stores, Orbax, the restore onto the surviving mesh.
 """
 
+import dataclasses
 import threading
 
 import jax
@@ -18,7 +19,7 @@ from pathwaysutils.elastic import elastic as pw_elastic
 from pathwaysutils.elastic.manager import Manager
 from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
-from snapstore import BusyPolicy, SnapshotOptions, StoreKind
+from snapstore import BusyPolicy, Every, Parity, Replicas, SnapshotOptions, StoreKind
 from snapstore.integrations.pathways import ElasticOptions, ElasticTrainer, Snapshotter
 from tests.helpers import assert_bitwise_equal, host_copy
 
@@ -90,8 +91,10 @@ def abstract(devices):
 def run_elastic(store_dir, lose, options, *, fail_at=5, total=8,
                 persistent=None, come_back=True):
   elastic = Manager()
-  trainer = ElasticTrainer(elastic, options=options, store_dir=store_dir, run_id="pw",
-                           persistent=persistent, persistent_interval=2 if persistent else 0)
+  snapshots = dataclasses.replace(options.snapshots, store_dir=store_dir, run_id="pw",
+                                  persistent_interval=2 if persistent else 0)
+  trainer = ElasticTrainer(elastic, options=dataclasses.replace(options, snapshots=snapshots),
+                           persistent=persistent)
   # CPU devices have pinned_host memory: the slices' snapshots are pinned arrays.
   assert trainer.snapshots.store_kind is StoreKind.PINNED_HOST
   saved: dict[int, object] = {}
@@ -147,7 +150,7 @@ def test_parity_rebuilds_a_lost_slice_from_the_other_three(slices, store_dir):
   from the others' parity blocks and pieces, bitwise."""
   _, lose, _ = slices
   trainer, saved, meshes, final = run_elastic(
-      store_dir, lose, ElasticOptions(snapshot_redundancy="parity", **FAST))
+      store_dir, lose, ElasticOptions(snapshots=SnapshotOptions(redundancy=Parity(3)), **FAST))
   (event,) = trainer.events
   assert event.lost_slices == (1,) and event.source == "snapshot"
   assert event.restored_step == 5 and event.bytes_read["rebuilt"] > 0
@@ -170,9 +173,10 @@ def test_parity_keeps_at_most_0_4x_the_extra_bytes_of_a_replica(store_dir):
   abstract_state = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   held = {}
-  for name, kw in {"none": dict(replicas=0), "replica": dict(replicas=1),
-                   "parity": dict(redundancy="parity", parity_k=3)}.items():
-    with SnapshotManager(SnapshotOptions(store_dir=store_dir, run_id=name, keep=1, **kw),
+  for name, redundancy in {"none": Replicas(0), "replica": Replicas(1),
+                           "parity": Parity(3)}.items():
+    with SnapshotManager(SnapshotOptions(store_dir=store_dir, run_id=name, keep=1,
+                                         redundancy=redundancy),
                          slices=s2d) as mgr:
       mgr.save(1, state)
       mgr.wait_until_finished()
@@ -200,7 +204,7 @@ def test_without_the_cross_slice_copy_the_handler_falls_back_to_orbax(
     slices, store_dir, tmp_path):
   _, lose, _ = slices
   trainer, saved, _, final = run_elastic(
-      store_dir, lose, ElasticOptions(snapshot_replicas=0, **FAST),
+      store_dir, lose, ElasticOptions(snapshots=SnapshotOptions(redundancy=Replicas(0)), **FAST),
       persistent=str(tmp_path / "orbax"))
   (event,) = trainer.events
   assert event.source == "persistent" and event.restored_step == 4
@@ -310,8 +314,10 @@ def test_maxtext_config_mapping_and_hook(store_dir, tmp_path):
             "enable_checkpointing": True, "base_output_directory": str(tmp_path),
             "elastic_min_slice_count": 1, "elastic_max_retries": 5}
   snap, elastic, persistent = options_from_config(config)
-  assert (snap.interval, snap.keep, snap.run_id, snap.persistent_interval) == (2, 3, "mt", 4)
+  assert (snap.interval, snap.keep, snap.run_id, snap.persistent_interval) == (
+      Every(2), 3, "mt", 4)
   assert (elastic.elastic_min_slice_count, elastic.elastic_max_retries) == (1, 5)
+  assert elastic.snapshots == snap
   assert persistent == f"{tmp_path}/mt/checkpoints"
   devs = jax.devices()
   hook = SnapshotHook.from_config(config)

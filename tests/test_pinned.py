@@ -17,6 +17,7 @@ import pytest
 
 from snapstore import (
     BudgetExceededError,
+    Replicas,
     SnapshotManager,
     SnapshotOptions,
     Source,
@@ -298,7 +299,7 @@ def test_four_slices_two_lost_together(replicas, tmp_path):
   survivors = jax.sharding.Mesh(np.array(s4[0] + s4[3]).reshape(2, 2), ("replica", "model"))
   target = {"w": jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=jax.sharding.NamedSharding(
       survivors, jax.sharding.PartitionSpec("replica", "model")))}
-  mgr = SnapshotManager(SnapshotOptions(replicas=replicas, persistent_interval=2,
+  mgr = SnapshotManager(SnapshotOptions(redundancy=Replicas(replicas), persistent_interval=2,
                                         run_id=f"four-{replicas}"),
                         slices=s4, persistent=str(tmp_path / "orbax"))
   with mgr:

@@ -23,7 +23,15 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from snapstore import NothingToRestoreError, RestoreResult, SnapshotManager, SnapshotOptions
+from snapstore import (
+    AutoInterval,
+    Every,
+    NothingToRestoreError,
+    Replicas,
+    RestoreResult,
+    SnapshotManager,
+    SnapshotOptions,
+)
 
 from ..pathways import ElasticOptions
 
@@ -53,6 +61,30 @@ TRAIN_KEYS = {
 
 class MaxTextConfigError(ValueError):
   """A ``snapshot_*`` key snapstore does not know, or a bad value; names the key."""
+
+
+def typed(fields: Mapping[str, Any]) -> dict[str, Any]:
+  """MaxText's flat values as :class:`SnapshotOptions` fields: ``interval``
+  an int (:class:`Every`) or ``"auto"`` with ``host_mtbf_s``
+  (:class:`AutoInterval`), ``replicas`` an int (:class:`Replicas`)."""
+  out = dict(fields)
+  mtbf = out.pop("host_mtbf_s", None)
+  if "interval" in out:
+    v = out["interval"]
+    if v == "auto":
+      if mtbf is None:
+        raise ValueError("snapshot_interval=auto needs snapshot_host_mtbf_s: one host's "
+                         "mean time between failures in seconds")
+      out["interval"] = AutoInterval(mtbf)
+    elif type(v) is int:
+      out["interval"] = Every(v)
+    else:
+      raise ValueError(f"an int or 'auto', got {v!r}")
+  elif mtbf is not None:
+    AutoInterval(mtbf)  # (checked alone: the error names the key)
+  if "replicas" in out:
+    out["redundancy"] = Replicas(out.pop("replicas"))
+  return out
 
 
 def split_snapshot_keys(args: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
@@ -93,22 +125,21 @@ def snapshot_options(config: Mapping[str, Any]) -> SnapshotOptions | None:
     if field == "interval" and off:
       continue
     try:
-      SnapshotOptions(**{field: fields[field]},
-                      **({"host_mtbf_s": 1.0} if field == "interval" else {}))
+      SnapshotOptions(**typed({field: fields[field]}
+                              | ({"host_mtbf_s": 1.0} if field == "interval" else {})))
     except (TypeError, ValueError) as e:
       key = names[field]
       raise MaxTextConfigError(f"{key}={config[key]!r}: {e}") from e
   if off:
     return None
   try:
-    return SnapshotOptions(**fields)
+    return SnapshotOptions(**typed(fields))
   except (TypeError, ValueError) as e:
     raise MaxTextConfigError(f"snapstore keys {dict(config)}: {e}") from e
 
 
 ELASTIC_KEYS = ("elastic_enabled", "elastic_timeout_seconds", "elastic_max_retries",
-                "elastic_min_slice_count", "snapshot_interval", "snapshot_replicas",
-                "snapshot_keep")
+                "elastic_min_slice_count")
 
 
 def _get(config: Any, key: str, default: Any) -> Any:
@@ -122,10 +153,11 @@ def options_from_config(config: Any) -> tuple[SnapshotOptions, ElasticOptions, s
   MaxText-style config. The persistent directory is
   ``<base_output_directory>/<run_name>/checkpoints`` when
   ``enable_checkpointing`` is on, as MaxText lays it out."""
-  snap = SnapshotOptions(**{field: _get(config, key, default)
-                            for key, (field, default) in SNAPSHOT_KEYS.items()})
+  snap = SnapshotOptions(**typed({field: _get(config, key, default)
+                                  for key, (field, default) in SNAPSHOT_KEYS.items()}))
   defaults = ElasticOptions()
-  elastic = ElasticOptions(**{k: _get(config, k, getattr(defaults, k)) for k in ELASTIC_KEYS})
+  elastic = ElasticOptions(snapshots=snap, **{k: _get(config, k, getattr(defaults, k))
+                                              for k in ELASTIC_KEYS})
   persistent = None
   base = _get(config, "base_output_directory", None)
   if _get(config, "enable_checkpointing", False) and base:

@@ -59,10 +59,10 @@ def choose(options: SnapshotOptions, *, host: int, num_hosts: int,
     raise ValueError("slices= is for a single controller (one process); with "
                      "jax.distributed each process keeps its own host store")
   kind = resolve_kind(options.store, slices)
-  if slices is not None and options.redundancy == "parity" and kind is not StoreKind.PINNED_HOST:
-    raise ValueError("redundancy='parity' on a single controller needs the pinned_host "
+  if slices is not None and options.parity_k is not None and kind is not StoreKind.PINNED_HOST:
+    raise ValueError("redundancy=Parity(k) on a single controller needs the pinned_host "
                      "store (devices with pinned_host memory); host files with slices= "
-                     "keep full replicas (redundancy='replica')")
+                     "keep full replicas (redundancy=Replicas(n))")
   if kind is StoreKind.PINNED_HOST and slices is not None:
     return PinnedHostBackend(options, slices=slices, pool=pool)
   return HostFilesBackend(options, host=host, num_hosts=num_hosts, slices=slices, pool=pool)

@@ -70,7 +70,7 @@ def _bytes_of(x: np.ndarray | jax.Array) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same pieces every snapshot
-def _chunk_plan(path: str, index: Index, nbytes: int, chunk_bytes: int
+def _chunks_of(path: str, index: Index, nbytes: int, chunk_bytes: int
                 ) -> tuple[tuple[int, int, int], ...]:
   """(start, end, crc32c seed) of each ``chunk_bytes`` chunk of a piece."""
   starts = range(0, max(nbytes, 1), chunk_bytes)
@@ -79,7 +79,7 @@ def _chunk_plan(path: str, index: Index, nbytes: int, chunk_bytes: int
                for a, seed in zip(starts, seeds, strict=True))
 
 
-def layout_offsets(pieces: Sequence[Piece]) -> list[int]:
+def slot_offsets(pieces: Sequence[Piece]) -> list[int]:
   offsets, off = [], 0
   for p in pieces:
     offsets.append(off)
@@ -142,7 +142,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
       smalls.append((src, at, first_seed(path, piece.index)))
       small_at.append(j)
       continue
-    plan = _chunk_plan(path, piece.index, n, chunk_bytes)
+    plan = _chunks_of(path, piece.index, n, chunk_bytes)
     chunks.extend([(src, at, a, b, seed, more) for a, b, seed in plan])
     per_piece.append((j, len(plan)))
   # Pieces travel together: one task per ~chunk_bytes, not one per piece

@@ -37,7 +37,7 @@ class Stripe:
   replacement; others too, where the target order moved them)."""
 
   stripe: int
-  layout: _parity.Layout
+  layout: _parity.StripeMembers
   lost: int
   needers: tuple[int, ...]
 
@@ -74,7 +74,7 @@ def offers(host: int, manifest: Manifest | None, lost_hosts: Collection[int],
 
 
 def _layout_from(row: Any, members: tuple[int, ...], length: int,
-                 num_leaves: int) -> _parity.Layout:
+                 num_leaves: int) -> _parity.StripeMembers:
   """A stripe layout received from its lowest survivor, checked for shape."""
   if not isinstance(row, list) or len(row) != len(members):
     raise ValueError("a parity layout with the wrong number of members")
@@ -90,7 +90,7 @@ def _layout_from(row: Any, members: tuple[int, ...], length: int,
   k = len(members) - 1
   if k < 1 or length <= 0 or length % (4 * k):
     raise ValueError(f"a parity stripe of {len(members)} members and length {length}")
-  return _parity.Layout(members, tuple(pieces), length)
+  return _parity.StripeMembers(members, tuple(pieces), length)
 
 
 def decide(step: int, rows: Mapping[int, Sequence[Any]], lost_hosts: Collection[int],

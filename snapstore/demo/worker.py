@@ -76,10 +76,11 @@ class _Worker:
     self.in_place = in_place_from_env()
     self.full_devices = self.host_count * jax.local_device_count()
     self.opts = snapstore.SnapshotOptions(
-        interval=1 if a.snapshots else 10**9, keep=a.keep, store_dir=a.store,
-        run_id=a.run_id, persistent_interval=a.checkpoint_every, replicas=a.replicas,
-        redundancy=a.redundancy, parity_k=a.parity_k, replica_interval=a.replica_interval,
-        hosts_per_domain=a.hosts_per_domain)
+        interval=snapstore.Every(1 if a.snapshots else 10**9), keep=a.keep,
+        store_dir=a.store, run_id=a.run_id, persistent_interval=a.checkpoint_every,
+        redundancy=(snapstore.Parity(a.parity_k) if a.redundancy == "parity"
+                    else snapstore.Replicas(a.replicas)),
+        replica_interval=a.replica_interval, hosts_per_domain=a.hosts_per_domain)
     attempt = int(os.environ.get("SNAPSTORE_ATTEMPT", "0"))
     self.report: dict[str, Any] = {
         "host": self.host, "incarnation": self.inc, "attempt": attempt, "pid": os.getpid(),
@@ -135,6 +136,10 @@ class _Worker:
       self.mark("first step")
     pad = self.a.min_step_s * self.full_devices / trainer.mesh.size  # one batch, shared
     time.sleep(max(0.0, pad - (time.perf_counter() - t_step)))
+    if self.a.digest_every_step or s == self.a.steps:
+      # before the save: a snapshot of step s is then always of a digest on
+      # record (a loss right after the save still leaves the snapshot whole)
+      self.report["trained"][s] = self.digest(trainer, state, s)
     t_save = time.perf_counter()
     self.mgr.save(s, state)
     self.report["save_s"][s] = time.perf_counter() - t_save  # what the loop waits for
@@ -143,8 +148,8 @@ class _Worker:
   def record(self, trainer: Any, state: Any, s: int, loss: float) -> None:
     self.report["losses"][s] = loss
     self.report["times"][s] = time.time()
-    if self.a.digest_every_step or s == self.a.steps:
-      self.report["digests"][s] = self.report["trained"][s] = self.digest(trainer, state, s)
+    if s in self.report["trained"]:
+      self.report["digests"][s] = self.report["trained"][s]
     self.write()
 
   def run(self) -> None:

@@ -7,7 +7,7 @@ After a heal every process compiles for a new device order (gloo, see
   from the key on GPU; :func:`share` strips it on CPU too. The assignment
   still reaches the program: JAX passes the current compile options when it
   loads a cached executable, and the CPU client places and exchanges by
-  them (``tests/test_group.py`` checks a ring shift's result, device by
+  them (``tests/test_devices.py`` checks a ring shift's result, device by
   device, after a hit under a permuted order).
 - the "accelerator config": the fingerprint of the client's topology, which
   on CPU lists only this process's devices, so no two processes share a

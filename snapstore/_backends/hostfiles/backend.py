@@ -79,7 +79,7 @@ class HostFilesBackend(DomainStores):
                      run_id=options.run_id)
     self._domains = (host_domains(jax.devices(), options.hosts_per_domain)
                      if num_hosts > 1 else None)
-    if self._domains is not None and options.redundancy == "parity":
+    if self._domains is not None and options.parity_k is not None:
       why = _parity.groups_error(len(set(self._domains.values())), options.parity_k)
       if why:
         raise ValueError(why)
@@ -90,10 +90,10 @@ class HostFilesBackend(DomainStores):
 
   def _stripes(self) -> _parity.Stripes | None:
     """The parity stripes over the job's devices now (None: replicas)."""
-    if self.options.redundancy != "parity" or self._domains is None:
+    k = self.options.parity_k
+    if k is None or self._domains is None:
       return None
-    return _stripes_of(tuple(_devices.devices()), tuple(sorted(self._domains.items())),
-                       self.options.parity_k)
+    return _stripes_of(tuple(_devices.devices()), tuple(sorted(self._domains.items())), k)
 
   def close(self) -> None:
     """Drops the mappings of the last restore's slots, then the stores'."""
@@ -127,7 +127,7 @@ class HostFilesBackend(DomainStores):
 
   def drain(self, pending: _Pending) -> int:
     nbytes = 0
-    offsets = {store.host: _copy.layout_offsets(cap.pieces)
+    offsets = {store.host: _copy.slot_offsets(cap.pieces)
                for store, cap, _ in pending.jobs}
     # Every store's pieces in one pass (one store per domain on a single
     # controller: a data-parallel twin is copied once from the source).

@@ -100,11 +100,12 @@ class PinnedHostBackend(DomainStores):
 
     live = {k: self._slices[k] for k in self.live()}
     stripes = None
-    if replicas and self.options.redundancy == "parity":
-      stripes = _parity.slice_stripes(live, self.options.parity_k)
+    k = self.options.parity_k
+    if replicas and k is not None:
+      stripes = _parity.slice_stripes(live, k)
       if stripes is None:
         logger.warning("step %d: slices %s do not form groups of %d: full replicas instead "
-                       "of parity", header.step, sorted(live), self.options.parity_k + 1)
+                       "of parity", header.step, sorted(live), k + 1)
     cap = _capture.capture(specs, leaves, slices=live, replicas=replicas,
                            step=header.step, checksum=self.checksum,
                            chunk_bytes=self.options.chunk_bytes, before_dispatch=make_room,

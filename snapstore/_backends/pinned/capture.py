@@ -43,7 +43,7 @@ from ..._checksum import (
 from ..._index import Index, nbytes as index_nbytes, normalize
 from ..._placement import HolderLayout, holder_layout, ring_keepers, shard_arrays
 from ..._tree import LeafKind, LeafSpec, Piece, piece_of, positions
-from .._copy import Capture as HostCapture, drain_domains, layout_offsets
+from .._copy import Capture as HostCapture, drain_domains, slot_offsets
 from .store import PINNED, Stored
 
 
@@ -86,7 +86,7 @@ class PinnedCapture:
     written from the cache as that domain's copy passes: the same checked
     bytes, one read of memory and one crc32c for both."""
     jobs = {d: self.host.pop(d) for d in sorted(self.host)}
-    offsets = {d: layout_offsets(cap.pieces) for d, (cap, _, _) in jobs.items()}
+    offsets = {d: slot_offsets(cap.pieces) for d, (cap, _, _) in jobs.items()}
     bufs = {d: take(d, cap.nbytes) for d, (cap, _, _) in jobs.items()}
     kinds = {d: [(src.dtype, src.shape) for src in cast(list[np.ndarray], cap.sources)]
              for d, (cap, _, _) in jobs.items()}
@@ -145,33 +145,33 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       d.platform == "cpu" for devs in ring.slices.values() for d in devs)
   if on_host:
     cap.host = {d: (HostCapture(list(specs), [], [], [], {}), [], []) for d in ring.order}
-  planned, protect = _plan_leaves(cap, specs, leaves, ring, replicas=replicas, step=step,
+  placed, protect = _place_leaves(cap, specs, leaves, ring, replicas=replicas, step=step,
                                   chunk_bytes=chunk_bytes, stripes=stripes, on_host=on_host)
-  length = (_plan_parity(cap, ring, stripes, protect)
+  length = (_place_parity(cap, ring, stripes, protect)
             if protect and stripes is not None else 0)
   before_dispatch({d: cap.nbytes(d) for d in ring.order})
   slot = ({} if on_host and not protect else
           {(p.leaf, p.index, d): n for d, ps in cap.pieces.items()
            for n, (p, _) in enumerate(ps)})
-  _dispatch_leaves(cap, specs, planned, ring, slot, chunk_bytes)
+  _dispatch_leaves(cap, specs, placed, ring, slot, chunk_bytes)
   if protect and stripes is not None:
     _dispatch_parity(cap, ring, stripes, protect, length, slot, step=step,
                      chunk_bytes=chunk_bytes)
   return cap
 
 
-_Planned = list[tuple[int, jax.Array, "_LeafPlan"]]
+_Placed = list[tuple[int, jax.Array, "_LeafPlacement"]]
 
 
-def _plan_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], leaves: Sequence[Any],
+def _place_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], leaves: Sequence[Any],
                  ring: _Ring, *, replicas: int, step: int, chunk_bytes: int,
                  stripes: _parity.Stripes | None, on_host: bool,
-                 ) -> tuple[_Planned, list[tuple[int, jax.Array]]]:
+                 ) -> tuple[_Placed, list[tuple[int, jax.Array]]]:
   """Where each leaf's pieces go: scalars and numpy leaves taken now (a
   checked copy a domain), CPU leaves into the host captures, the rest
-  planned for dispatch. Returns the planned leaves and those that parity
+  placed for dispatch. Returns the placed leaves and those that parity
   protects instead of replicas."""
-  planned: _Planned = []
+  placed: _Placed = []
   protect: list[tuple[int, jax.Array]] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if i == len(specs) // 2:
@@ -197,15 +197,15 @@ def _plan_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], leaves: Sequence
       if on_host:
         _add_host_leaf(cap, i, spec.path, arr, ring, kept)
         continue
-      plan = _LeafPlan.of(spec, arr, ring, kept)
+      plan = _LeafPlacement.of(spec, arr, ring, kept)
       for (index, d), owner in plan.keep.items():
         cap.pieces[d].append(_kept(i, index, plan.nbytes(index), owner))
         cap.arrays[d].append(None)  # filled at dispatch
-      planned.append((i, arr, plan))
-  return planned, protect
+      placed.append((i, arr, plan))
+  return placed, protect
 
 
-def _plan_parity(cap: PinnedCapture, ring: _Ring, stripes: _parity.Stripes,
+def _place_parity(cap: PinnedCapture, ring: _Ring, stripes: _parity.Stripes,
                  protect: list[tuple[int, jax.Array]]) -> int:
   """A slot for each parity block in its device's domain; returns the
   stripes' padded length."""
@@ -221,13 +221,13 @@ def _plan_parity(cap: PinnedCapture, ring: _Ring, stripes: _parity.Stripes,
   return length
 
 
-def _dispatch_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], planned: _Planned,
+def _dispatch_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], placed: _Placed,
                      ring: _Ring, slot: dict[tuple[int, Index, int], int],
                      chunk_bytes: int) -> None:
-  """Off CPU: the pinned copies of the planned leaves, and a checksum of
+  """Off CPU: the pinned copies of the placed leaves, and a checksum of
   each piece (on device, or of its host copy)."""
   on_device = cap.checksum is ChecksumKind.DEVICE_SUM
-  for i, arr, plan in planned:
+  for i, arr, plan in placed:
     sums = shard_checksums(arr) if on_device else None
     per_shard = (_fetched_once(sums[0]), sums[1]) if sums is not None else None
     for (index, d), copy in plan.dispatch(arr, ring).items():
@@ -360,7 +360,7 @@ class _Ring:
 
 
 @dataclasses.dataclass
-class _LeafPlan:
+class _LeafPlacement:
   """Which (index, domain) copies one leaf needs, and from where."""
 
   itemsize: int
@@ -376,7 +376,7 @@ class _LeafPlan:
   shards: Sequence[jax.Array] = ()  # by position
 
   @classmethod
-  def of(cls, spec: LeafSpec, arr: jax.Array, ring: _Ring, replicas: int) -> _LeafPlan:
+  def of(cls, spec: LeafSpec, arr: jax.Array, ring: _Ring, replicas: int) -> _LeafPlacement:
     layout = holder_layout(spec.path, arr, ring.domain_of)
     shards = shard_arrays(arr)
     keep, owners, copies = _structure(layout, tuple(positions(arr)), ring, replicas)
@@ -454,7 +454,7 @@ def _structure(layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring, r
   """A leaf's copies, from its layout alone (the same every save):
   (index, domain) -> owner domain for each copy kept (:func:`ring_keepers`);
   each index's owner shard position; and where each copy comes from
-  (:attr:`_LeafPlan.copies`): the domain's own shard, else the shard of the
+  (:attr:`_LeafPlacement.copies`): the domain's own shard, else the shard of the
   nearest domain back on the ring that holds the index, kept by the device
   at the same place in the domain."""
   keep: dict[tuple[Index, int], int] = {}
