@@ -86,3 +86,15 @@ def test_private_jax_is_reached_only_through_one_module():
            for n, line in enumerate(path.read_text().splitlines(), 1)
            if pattern.search(line)]
   assert found == [], found
+
+
+def test_every_package_is_shipped():
+  """Each folder with an ``__init__.py`` is in pyproject's package list (an
+  editable install finds one that is not; a wheel would leave it out)."""
+  import tomllib
+  listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
+               ["tool"]["setuptools"]["packages"])
+  prefix = {"snapstore": ("snapstore",), "integrations": ("snapstore", "integrations")}
+  found = {".".join((*prefix[top], *p.parent.relative_to(ROOT / top).parts))
+           for top in prefix for p in (ROOT / top).rglob("__init__.py")}
+  assert found - listed == set(), found - listed

@@ -186,7 +186,7 @@ def test_pinned_store_never_rebuilds_from_a_flipped_byte(store_dir):
   import ctypes
 
   from snapstore import SnapshotManager, StoreKind
-  from tests.test_backends import abstract, awkward_state, save_steps
+  from snapstore.testing.backend_suite import abstract, awkward_state, save_steps
   devs = jax.devices()
   s2d = {k: devs[2 * k:2 * k + 2] for k in range(4)}
   opts = SnapshotOptions(store_dir=store_dir, keep=3, redundancy=Parity(k=3),

@@ -16,8 +16,9 @@ it only through :class:`Backend`:
   of its own; ``check`` verifies in place);
 * ``forget_domains`` / ``set_active_domains``: failure domains lost, or up.
 
-A new backend passes ``tests/test_backends.py`` (the conformance suite) by
-adding itself to its parameter list.
+A new backend passes :mod:`snapstore.testing.backend_suite` (the
+conformance suite): its test module subclasses ``BackendSuite`` and supplies
+its backdoor (``flip``); ``tests/test_backends.py`` does so for each backend here.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ side of it, and the conformance suite every snapshot backend passes.
   ``snapstore launch`` is its command line.
 - :mod:`.worker`: what a process it starts calls (``init_from_env``, the
   ``report_*`` functions, ``global_digest``).
+- :mod:`.backend_suite`: ``BackendSuite``, the conformance suite a snapshot
+  backend's test module subclasses (needs pytest; not imported here).
+- :mod:`.checks`: ``assert_bitwise_equal`` and ``host_copy``.
 """
 
 from .supervisor import (
