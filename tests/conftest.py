@@ -48,3 +48,10 @@ def _spare_memory_of_this_test_only(monkeypatch):
   test that counts fresh mappings counts its own."""
   from snapstore import _arena
   monkeypatch.setattr(_arena, "_spares", [])
+
+
+@pytest.fixture(scope="module")
+def trainer():
+  """The demo's model (``snapstore.demo.example``), built once a module."""
+  from snapstore.demo.example import ModelConfig, Trainer
+  return Trainer(ModelConfig())

@@ -5,11 +5,47 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+import snapstore
 from snapstore.testing.checks import assert_bitwise_equal, host_copy
 
-__all__ = ["assert_bitwise_equal", "host_copy", "shardings"]
+__all__ = ["assert_bitwise_equal", "host_copy", "only_store", "opts", "shardings",
+           "slice_abstract", "slice_state"]
 
 
 def shardings(tree: Any) -> list[Any]:
   return [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
+
+
+def opts(store_dir: Any, **kw: Any) -> snapstore.SnapshotOptions:
+  return snapstore.SnapshotOptions(store_dir=store_dir, **kw)
+
+
+def only_store(mgr: snapstore.SnapshotManager) -> Any:
+  """The one store of a single-process manager (host files: ``.root``)."""
+  (store,) = mgr._backend.stores.values()  # type: ignore[attr-defined]
+  return store
+
+
+def slice_state(devices: list[jax.Device], step: int = 0) -> dict[str, jax.Array]:
+  """A leaf sharded across the slices (no DP twin), a DP-replicated leaf, a
+  SingleDeviceSharding leaf and a typed PRNG key."""
+  n = len(devices) // 4
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(n, 4), ("replica", "model"))
+  tp = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) + step
+  dp = jnp.ones((4, 8), jnp.bfloat16) * step
+  return {
+      "tp": jax.device_put(tp, NamedSharding(mesh, P("replica", "model"))),
+      "dp": jax.device_put(dp, NamedSharding(mesh, P(None, "model"))),
+      "single": jax.device_put(jnp.full((3,), step, jnp.int32),
+                               SingleDeviceSharding(devices[0])),
+      "rng": jax.device_put(jax.random.key(step), NamedSharding(mesh, P())),
+  }
+
+
+def slice_abstract(devices: list[jax.Device]) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      slice_state(devices))

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import snapstore
 from snapstore._manifest import decode, encode
-from tests.helpers import assert_bitwise_equal, host_copy
+from tests.helpers import assert_bitwise_equal, host_copy, only_store
 
 
 def state_at(step, rows=16):
@@ -43,11 +43,6 @@ def save_steps(mgr, steps, rows=16):
     refs[s] = host_copy(state_at(s, rows))
   mgr.wait_until_finished()
   return refs
-
-
-def host_root(mgr):
-  (store,) = mgr._backend.stores.values()
-  return store.root
 
 
 def slot_of(root, step):
@@ -89,7 +84,7 @@ def test_a_symlinked_slot_is_never_written_through(store_dir, tmp_path):
   outside.write_bytes(b"keep me" * 1000)
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
     save_steps(mgr, [1, 2])
-    slot = slot_of(host_root(mgr), 1)
+    slot = slot_of(only_store(mgr).root, 1)
     slot.unlink()
     slot.symlink_to(outside)
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
@@ -194,7 +189,7 @@ def test_a_zombie_older_incarnation_does_not_overwrite_the_newer_one(store_dir):
 def test_a_slot_truncated_under_a_live_mapping_falls_back(store_dir):
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
     refs = save_steps(mgr, [1, 2])  # this process has both slots mapped
-    slot = slot_of(host_root(mgr), 2)
+    slot = slot_of(only_store(mgr).root, 2)
     subprocess.run(["truncate", "-s", str(slot.stat().st_size // 3), str(slot)], check=True)
     r = mgr.restore(abstract())
   assert r.step == 1
@@ -205,7 +200,7 @@ def test_a_slot_truncated_under_a_live_mapping_falls_back(store_dir):
 def test_a_fifo_or_directory_in_place_of_a_slot_falls_back(store_dir, kind):
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
     refs = save_steps(mgr, [1, 2])
-    slot = slot_of(host_root(mgr), 2)
+    slot = slot_of(only_store(mgr).root, 2)
   slot.unlink()
   os.mkfifo(slot) if kind == "fifo" else slot.mkdir()
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
@@ -219,7 +214,7 @@ def test_a_fifo_or_directory_in_place_of_a_slot_falls_back(store_dir, kind):
 def test_a_manifest_with_a_huge_incarnation_is_ignored_and_saves_go_on(store_dir):
   with snapstore.SnapshotManager(opts(store_dir, keep=3)) as mgr:
     save_steps(mgr, [1])
-    root = host_root(mgr)
+    root = only_store(mgr).root
     (path,) = root.glob("step-*.manifest")
   m = decode(path.read_bytes())
   import dataclasses
@@ -240,7 +235,7 @@ def test_inspect_gives_each_manifest_a_verdict_the_lineage_and_the_pick(store_di
   with snapstore.SnapshotManager(opts(store_dir, keep=4)) as mgr:
     save_steps(mgr, [1, 2, 3])
     first = mgr.incarnation
-    root = host_root(mgr)
+    root = only_store(mgr).root
     old3 = root / f"step-{3:010d}-inc{first}.manifest"
     abandoned = old3.read_bytes()
     mgr.restore(abstract(), step=2)  # a new branch from step 2
@@ -361,7 +356,7 @@ def test_hostile_manifests_are_refused_cheaply(store_dir):
   from snapstore._manifest import PieceRecord
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     save_steps(mgr, [1])
-    (path,) = host_root(mgr).glob("step-*.manifest")
+    (path,) = only_store(mgr).root.glob("step-*.manifest")
   m = decode(path.read_bytes())
   w = next(i for i, s in enumerate(m.leaves) if s.path == "w")
   big = dataclasses.replace(m.leaves[w], shape=(3000, 3000))
@@ -382,7 +377,7 @@ def test_odd_keys_and_a_progress_directory_get_clear_errors_or_go_on(store_dir):
       mgr.save(1, {"a/b": np.zeros(2), "a": {"b": np.ones(2)}})
     with pytest.raises(snapstore.UnsupportedLeafError, match="UTF-8"):
       mgr.save(1, {"bad\ud800": np.zeros(2)})
-    root = host_root(mgr)
+    root = only_store(mgr).root
     (root / "PROGRESS").unlink(missing_ok=True)
     (root / "PROGRESS").mkdir()
     refs = save_steps(mgr, [2])

@@ -11,13 +11,7 @@ import numpy as np
 import pytest
 
 import snapstore
-from snapstore.demo.example import ModelConfig, Trainer
-from tests.helpers import assert_bitwise_equal, host_copy, shardings
-
-
-@pytest.fixture(scope="module")
-def trainer():
-  return Trainer(ModelConfig())
+from tests.helpers import assert_bitwise_equal, host_copy, opts, shardings
 
 
 def mixed_state(trainer):
@@ -31,10 +25,6 @@ def mixed_state(trainer):
   state["flag"] = True
   state["name"] = "run"
   return state
-
-
-def opts(store_dir, **kw):
-  return snapstore.SnapshotOptions(store_dir=store_dir, **kw)
 
 
 def test_round_trip_is_bitwise_for_every_leaf_kind(trainer, store_dir):
@@ -575,7 +565,7 @@ def test_memory_a_closed_pinned_manager_lets_go_of_never_holds_a_live_state():
   not what the state uses: new arenas that take every spare and write it
   leave the state bitwise as restored."""
   from snapstore import _arena
-  from tests.test_pathways import abstract, make_state
+  from tests.helpers import slice_abstract as abstract, slice_state as make_state
   devs = jax.devices()
   state = make_state(devs, 3)
   expected = host_copy(state)

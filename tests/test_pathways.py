@@ -21,7 +21,12 @@ from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
 from snapstore import BusyPolicy, Every, Parity, Replicas, SnapshotOptions, StoreKind
 from snapstore.integrations.pathways import ElasticOptions, ElasticTrainer, Snapshotter
-from tests.helpers import assert_bitwise_equal, host_copy
+from tests.helpers import (
+  assert_bitwise_equal,
+  host_copy,
+  slice_abstract as abstract,
+  slice_state as make_state,
+)
 
 
 @pytest.fixture
@@ -65,27 +70,6 @@ def slices(monkeypatch, request):
     sim.mark_slice_connected(k, s2d)
   yield s2d, lose, reconnect
   sim.stop()
-
-
-def make_state(devices, step=0):
-  """A leaf sharded across the slices (no DP twin), a DP-replicated leaf, a
-  SingleDeviceSharding leaf and a typed PRNG key."""
-  n = len(devices) // 4
-  mesh = jax.sharding.Mesh(np.array(devices).reshape(n, 4), ("replica", "model"))
-  tp = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) + step
-  dp = jnp.ones((4, 8), jnp.bfloat16) * step
-  return {
-      "tp": jax.device_put(tp, NamedSharding(mesh, P("replica", "model"))),
-      "dp": jax.device_put(dp, NamedSharding(mesh, P(None, "model"))),
-      "single": jax.device_put(jnp.full((3,), step, jnp.int32),
-                               SingleDeviceSharding(devices[0])),
-      "rng": jax.device_put(jax.random.key(step), NamedSharding(mesh, P())),
-  }
-
-
-def abstract(devices):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      make_state(devices))
 
 
 def run_elastic(store_dir, lose, options, *, fail_at=5, total=8,

@@ -16,23 +16,27 @@ import numpy as np
 import pytest
 
 from snapstore import (
-    BudgetExceededError,
-    Replicas,
-    SnapshotManager,
-    SnapshotOptions,
-    Source,
-    StoreKind,
-    TreeMismatchError,
+  BudgetExceededError,
+  Replicas,
+  SnapshotManager,
+  SnapshotOptions,
+  Source,
+  StoreKind,
+  TreeMismatchError,
 )
 from snapstore._checksum import (
-    ChecksumKind,
-    _sums,
-    as_checksum,
-    device_checksum,
-    shard_checksums,
+  ChecksumKind,
+  _sums,
+  as_checksum,
+  device_checksum,
+  shard_checksums,
 )
-from tests.helpers import assert_bitwise_equal, host_copy
-from tests.test_pathways import abstract, make_state
+from tests.helpers import (
+  assert_bitwise_equal,
+  host_copy,
+  slice_abstract as abstract,
+  slice_state as make_state,
+)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import snapstore
 from snapstore._backends.hostfiles import store as store_mod
-from tests.helpers import assert_bitwise_equal, host_copy
+from tests.helpers import assert_bitwise_equal, host_copy, only_store
 
 
 def state_at(step, rows=16):
@@ -27,11 +27,6 @@ def state_at(step, rows=16):
 def abstract(rows=16):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                       state_at(0, rows))
-
-
-def root_of(mgr):
-  (store,) = mgr._backend.stores.values()
-  return store.root
 
 
 @pytest.fixture
@@ -56,7 +51,7 @@ def test_a_full_ram_disk_later_in_the_run_is_counted_and_training_goes_on(store_
     assert mgr.save(2, state_at(2, rows=64)) is False
     assert mgr.metrics.store_failures == 1
     assert "no room for a slot" in mgr.metrics.last_store_failure
-    assert not [p for p in root_of(mgr).glob("slot-*.bin")
+    assert not [p for p in only_store(mgr).root.glob("slot-*.bin")
                 if os.stat(p).st_blocks * 512 < os.stat(p).st_size]  # no sparse file left
     no_room.clear()
     assert mgr.save(3, state_at(3, rows=64))  # room again: snapshots resume
@@ -84,7 +79,7 @@ def test_a_first_save_that_cannot_fit_raises_under_either_policy(store_dir, no_r
   with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
     with pytest.raises(snapstore.BudgetExceededError, match="no room"):
       mgr.save(1, state_at(1))
-    assert list(root_of(mgr).glob("slot-*.bin")) == []
+    assert list(only_store(mgr).root.glob("slot-*.bin")) == []
 
 
 def test_a_failed_drain_is_counted_at_the_next_save_which_still_snapshots(store_dir):
@@ -113,7 +108,7 @@ def test_a_sparse_slot_left_by_a_cut_allocation_is_allocated_before_it_is_writte
     m.save(1, state_at(1))
     m.save(2, state_at(2))
     m.wait_until_finished()
-    root = root_of(m)
+    root = only_store(m).root
   for p in root.glob("slot-*.bin"):  # a full-size file with no pages (SIGKILL in fallocate)
     size = p.stat().st_size
     os.truncate(p, 0)
@@ -136,7 +131,7 @@ def test_a_slot_file_with_another_link_is_replaced_never_rewritten(store_dir):
     m.save(1, state_at(1))
     m.save(2, state_at(2))
     m.wait_until_finished()
-    root = root_of(m)
+    root = only_store(m).root
   backups = {}
   for p in root.glob("slot-*.bin"):  # a `cp -al` backup of the store, on the same disk
     link = p.with_name(p.name + ".backup")

@@ -9,17 +9,7 @@ import pytest
 
 import snapstore
 from snapstore._manifest import decode, encode
-from snapstore.demo.example import ModelConfig, Trainer
-from tests.helpers import assert_bitwise_equal, host_copy
-
-
-@pytest.fixture(scope="module")
-def trainer():
-  return Trainer(ModelConfig())
-
-
-def opts(store_dir, **kw):
-  return snapstore.SnapshotOptions(store_dir=store_dir, **kw)
+from tests.helpers import assert_bitwise_equal, host_copy, only_store, opts
 
 
 def train_and_save(trainer, mgr, steps):
@@ -32,12 +22,6 @@ def train_and_save(trainer, mgr, steps):
     refs[s] = host_copy(state)
   mgr.wait_until_finished()
   return refs
-
-
-def store_of(mgr):
-  """The one host store of a single-process manager."""
-  (store,) = mgr._backend.stores.values()
-  return store
 
 
 def manifest_file(store, step):
@@ -61,7 +45,7 @@ def flip_byte(store, step, nth_piece=3):
 def test_flipped_byte_falls_back_to_older_snapshot(trainer, store_dir, caplog):
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
     refs = train_and_save(trainer, mgr, range(1, 4))
-    leaf = flip_byte(store_of(mgr), 3)
+    leaf = flip_byte(only_store(mgr), 3)
     with caplog.at_level(logging.WARNING, logger="snapstore"):
       result = mgr.restore(trainer.abstract_state())
   assert result.step == 2 and result.source is snapstore.Source.SNAPSHOT
@@ -76,7 +60,7 @@ def test_corrupt_snapshots_fall_back_to_orbax(trainer, store_dir, tmp_path):
   with snapstore.SnapshotManager(o, persistent=tmp_path / "ckpt") as mgr:
     refs = train_and_save(trainer, mgr, range(1, 6))
     for s in mgr.snapshot_steps():
-      flip_byte(store_of(mgr), s)
+      flip_byte(only_store(mgr), s)
     result = mgr.restore(trainer.abstract_state())
   assert result.source is snapstore.Source.PERSISTENT
   assert result.step == 4 and result.rewind_steps == 1
@@ -87,11 +71,11 @@ def test_corrupt_snapshots_fall_back_to_orbax(trainer, store_dir, tmp_path):
 def test_truncated_and_foreign_manifests_are_ignored(trainer, store_dir, caplog):
   with snapstore.SnapshotManager(opts(store_dir, keep=3)) as mgr:
     refs = train_and_save(trainer, mgr, range(1, 4))
-    path3 = manifest_file(store_of(mgr), 3)
+    path3 = manifest_file(only_store(mgr), 3)
     path3.write_bytes(path3.read_bytes()[:100])  # truncated
-    m2 = decode(manifest_file(store_of(mgr), 2).read_bytes())
+    m2 = decode(manifest_file(only_store(mgr), 2).read_bytes())
     foreign = dataclasses_replace(m2, run_id="another-run")
-    manifest_file(store_of(mgr), 2).write_bytes(encode(foreign))
+    manifest_file(only_store(mgr), 2).write_bytes(encode(foreign))
     with caplog.at_level(logging.WARNING, logger="snapstore"):
       result = mgr.restore(trainer.abstract_state())
   assert result.step == 1
@@ -133,7 +117,7 @@ def test_newer_incarnation_fences_stale_steps(trainer, store_dir):
 def test_files_are_private(trainer, store_dir):
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     train_and_save(trainer, mgr, [1])
-    root = store_of(mgr).root
+    root = only_store(mgr).root
   assert root.stat().st_mode & 0o777 == 0o700
   for p in root.iterdir():
     assert p.stat().st_mode & 0o777 == 0o600, p
@@ -144,7 +128,7 @@ def test_budget_for_two_snapshots_keeps_at_most_two(trainer, store_dir):
   with snapstore.SnapshotManager(opts(store_dir, keep=5)) as probe:
     probe.save(0, state)
     probe.wait_until_finished()
-    size = max(p.stat().st_size for p in store_of(probe).root.glob("slot-*.bin"))
+    size = max(p.stat().st_size for p in only_store(probe).root.glob("slot-*.bin"))
   shutil.rmtree(store_dir)
   o = opts(store_dir, keep=5, budget_bytes=2 * size + 100)
   with snapstore.SnapshotManager(o) as mgr:
@@ -152,8 +136,8 @@ def test_budget_for_two_snapshots_keeps_at_most_two(trainer, store_dir):
       state, _ = trainer.step(state, s)
       mgr.save(s, state)
       mgr.wait_until_finished()
-      files = list(store_of(mgr).root.glob("*.manifest"))
-      slots = list(store_of(mgr).root.glob("slot-*.bin"))
+      files = list(only_store(mgr).root.glob("*.manifest"))
+      slots = list(only_store(mgr).root.glob("slot-*.bin"))
       assert len(files) <= 2 and len(slots) <= 2
       assert sum(p.stat().st_size for p in slots) <= o.budget_bytes
     assert mgr.snapshot_steps()[-1] == 7
@@ -200,7 +184,7 @@ def _persistent_fallback(trainer, store_dir, path):
   o = opts(store_dir, keep=2, persistent_interval=5)
   with snapstore.SnapshotManager(o, persistent=path) as mgr:
     refs = train_and_save(trainer, mgr, range(1, 8))
-    for p in store_of(mgr).root.glob("*.manifest"):
+    for p in only_store(mgr).root.glob("*.manifest"):
       p.unlink()
     result = mgr.restore(trainer.abstract_state())
   assert result.source is snapstore.Source.PERSISTENT
@@ -255,7 +239,7 @@ def test_committed_manifests_keep_no_per_piece_objects_for_the_collector(store_d
 
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
     train_and_save(trainer, mgr, [1, 2])
-    manifests = store_of(mgr).manifests()
+    manifests = only_store(mgr).manifests()
   assert [m.step for m in manifests] == [1, 2]
   gc.collect()  # a pass untracks a tuple whose items it has already untracked
   gc.collect()
