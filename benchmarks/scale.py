@@ -155,7 +155,7 @@ class Layout:
           for d in range(LOCAL * prev, LOCAL * prev + LOCAL):
             add(leaf, self.index(leaf, d), prev)
     table, par = split_parity(rows, parity_of)
-    return Manifest(run_id="scale", incarnation=0, step=step, host=host, num_hosts=self.n,
+    return Manifest(run_id="scale", incarnation=0, step=step, store=host, num_hosts=self.n,
                     tree_digest=tree_digest(self.specs), slot=slot, chunk_bytes=CHUNK,
                     leaves=tuple(self.specs), pieces=table, scalars=dict(self.scalars),
                     extra={"data": {"epoch": 3, "index": 987654}}, parity=par)

@@ -179,7 +179,7 @@ class Manifest:
   run_id: str
   incarnation: int
   step: int
-  host: int          # the store's id: process index, or failure domain (slice)
+  store: int         # the store's id: process index, or failure domain (slice)
   num_hosts: int
   tree_digest: str
   slot: int          # which of the store's reused slots holds the pieces
@@ -205,7 +205,7 @@ def encode(m: Manifest) -> bytes:
   """The manifest file: an envelope carrying the body and its crc32c."""
   doc = {
       "run_id": m.run_id, "incarnation": m.incarnation, "step": m.step,
-      "host": m.host, "num_hosts": m.num_hosts, "tree_digest": m.tree_digest,
+      "host": m.store, "num_hosts": m.num_hosts, "tree_digest": m.tree_digest,
       "slot": m.slot, "chunk_bytes": m.chunk_bytes, "created": m.created,
       "leaves": [spec_row(s) for s in m.leaves],
       "pieces": m.pieces.rows,  # msgpack writes tuples as arrays, as _piece_row's lists
@@ -345,7 +345,7 @@ def _from_doc(doc: Any) -> Manifest:
     raise TypeError("created is not a number")
   return Manifest(
       run_id=_str(doc["run_id"]), incarnation=_int(doc["incarnation"]),
-      step=_int(doc["step"]), host=_int(doc["host"]),
+      step=_int(doc["step"]), store=_int(doc["host"]),
       num_hosts=_int(doc["num_hosts"], 1), tree_digest=_str(doc["tree_digest"]),
       slot=_int(doc["slot"]), chunk_bytes=_int(doc["chunk_bytes"], 1),
       leaves=leaves, pieces=PieceTable(pieces), scalars=scalars,
@@ -427,7 +427,7 @@ def _validate_parity(m: Manifest, r: ParityRecord) -> None:
     raise ValueError(f"parity block {p.index} is not a parity piece")
   if not 2 <= n <= 1024 or len(set(r.members)) != n or len(r.layout) != n:
     raise ValueError(f"parity block {p.index}: {n} members, {len(r.layout)} layouts")
-  if p.index[0][1] >= n or r.members[p.index[0][1]] != m.host:
+  if p.index[0][1] >= n or r.members[p.index[0][1]] != m.store:
     raise ValueError(f"parity block {p.index} is not its holder's")
   if r.length % (4 * (n - 1)) or p.nbytes != r.length // (n - 1):
     raise ValueError(f"parity block {p.index}: {p.nbytes} bytes of a {r.length}-byte stripe")

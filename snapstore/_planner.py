@@ -103,7 +103,7 @@ def fence(manifests: Iterable[Manifest]) -> list[Manifest]:
     later = [s for inc, s in newest_start.items() if inc > m.incarnation and s <= m.step]
     if later:
       logger.info("host %d step %d: incarnation %d superseded by a newer one",
-                  m.host, m.step, m.incarnation)
+                  m.store, m.step, m.incarnation)
       continue
     out.append(m)
   return out
@@ -143,16 +143,16 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
     return None
   copies: dict[tuple[int, Index], list[Copy]] = collections.defaultdict(list)
   parity: dict[int, dict[int, list[tuple[Copy, ParityRecord]]]] = collections.defaultdict(dict)
-  for m in sorted(ms, key=lambda m: (m.host != prefer_store, m.host)):
+  for m in sorted(ms, key=lambda m: (m.store != prefer_store, m.store)):
     # from the rows (offset, nbytes): no record made twice per piece
     slot_bytes = max([r[2] + r[3] for r in m.pieces.rows] +
                      [r.piece.offset + r.piece.nbytes for r in m.parity], default=0)
     for p in m.pieces:  # (thousands of pieces: a record and a copy each, named tuples)
-      c = Copy(m.host, m.slot, p, slot_bytes)
+      c = Copy(m.store, m.slot, p, slot_bytes)
       if not bad or c.key(step) not in bad:
         copies[(p.leaf, p.index)].append(c)
     for r in m.parity:
-      c = Copy(m.host, m.slot, r.piece, slot_bytes)
+      c = Copy(m.store, m.slot, r.piece, slot_bytes)
       if c.key(step) not in bad:
         parity[r.stripe].setdefault(r.block, []).append((c, r))
   rebuilds = _rebuilds(step, ref.leaves, parity, copies, reasons)
@@ -176,7 +176,7 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
                   tree_digest=ref.tree_digest, chunk_bytes=ref.chunk_bytes,
                   copies={k: tuple(v) for k, v in copies.items()},
                   scalars=dict(ref.scalars), extra=ref.extra,
-                  stores=tuple(sorted({m.host for m in ms})), rebuilds=tuple(rebuilds))
+                  stores=tuple(sorted({m.store for m in ms})), rebuilds=tuple(rebuilds))
 
 
 def _rebuilds(step: int, leaves: Sequence[LeafSpec],
@@ -255,7 +255,7 @@ def own_bytes(manifests: Sequence[Manifest]) -> int:
   for m in valid:
     if m.step == newest:
       # (the rows: no record object made per piece)
-      own.update(((r[0], r[1]), align(r[3])) for r in m.pieces.rows if r[5] == m.host)
+      own.update(((r[0], r[1]), align(r[3])) for r in m.pieces.rows if r[5] == m.store)
   return sum(own.values())
 
 

@@ -23,7 +23,7 @@ def manifest():
 
 
 def _m(base, host, step, inc=0, **kw):
-  return dataclasses.replace(base, host=host, step=step, incarnation=inc, **kw)
+  return dataclasses.replace(base, store=host, step=step, incarnation=inc, **kw)
 
 
 def _cands(n, stores, **kw):

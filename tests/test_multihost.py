@@ -263,7 +263,7 @@ def _manifests(store, host):
 
 def _flip(store, manifest, offset):
   """Flips the byte at ``offset`` of the slot ``manifest`` names."""
-  with open(host_dir(store, "job", manifest.host) / f"slot-{manifest.slot}.bin", "r+b") as f:
+  with open(host_dir(store, "job", manifest.store) / f"slot-{manifest.slot}.bin", "r+b") as f:
     f.seek(offset)
     b = f.read(1)
     f.seek(offset)
@@ -298,7 +298,7 @@ def test_corrupt_replica_and_stale_store_are_ignored(reference, tmp_path, cache_
     shutil.copytree(host_dir(job_store, "job", 0), stale, dirs_exist_ok=True)
     for step, m in _manifests(job_store, 0).items():
       (stale / f"step-{step:010d}-inc{m.incarnation}.manifest").write_bytes(
-          encode(dataclasses.replace(m, run_id="old", host=1)))
+          encode(dataclasses.replace(m, run_id="old", store=1)))
 
   job = Job(tmp_path, cache_dir, "corrupt")
   job.run([Kill(host=1, step=6, lose_store=True)],

@@ -117,7 +117,7 @@ def _manifests(k=3):
   for h in range(n):
     piece = PieceRecord(0, ((4 * h, 4 * h + 4), (0, 2)), 0, 32, (0,), h)
     block = PieceRecord(PARITY_LEAF, ((7, h),), 4096, length // k, (0,), h)
-    out.append(Manifest(run_id="r", incarnation=0, step=5, host=h, num_hosts=n,
+    out.append(Manifest(run_id="r", incarnation=0, step=5, store=h, num_hosts=n,
                         tree_digest=tree_digest(specs), slot=0, chunk_bytes=1 << 20,
                         leaves=tuple(specs), pieces=(piece,), scalars={},
                         parity=(ParityRecord(block, tuple(range(n)), layout, length),)))

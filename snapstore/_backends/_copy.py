@@ -44,6 +44,11 @@ Source = np.ndarray | jax.Array | Packed
 
 @dataclasses.dataclass
 class Capture:
+  """A capture's pieces for the drain: ``pieces[j]``, kept for store
+  ``owners[j]``, read from ``sources[j]``. Three aligned lists, not a record
+  per piece: a save of thousands of leaves appends them on the training
+  thread, and every reader zips them with ``strict=True``."""
+
   specs: list[LeafSpec]
   pieces: list[Piece]
   owners: list[int]

@@ -179,7 +179,7 @@ class BackendSuite:
       stored = self._drain(mgr, 1, state)
       backend = mgr._backend
       ms = backend.manifests()
-      assert sorted(m.host for m in ms) == backend.store_ids()
+      assert sorted(m.store for m in ms) == backend.store_ids()
       specs, _, _ = flatten(state)
       for m in ms:
         assert (m.step, m.run_id, m.incarnation) == (1, "conformance", mgr.incarnation)
@@ -235,12 +235,12 @@ class BackendSuite:
       backend = mgr._backend
       self._drain(mgr, 1, self._plain_state(devs, 1))
       backend.forget_domains([1], "slice lost")
-      assert [m for m in backend.manifests() if m.host == 1] == []
+      assert [m for m in backend.manifests() if m.store == 1] == []
       self._drain(mgr, 2, self._plain_state(devs[:4], 2))
-      assert {m.host for m in backend.manifests()} == {0}
+      assert {m.store for m in backend.manifests()} == {0}
       backend.set_active_domains([0, 1])
       self._drain(mgr, 3, self._plain_state(devs, 3))
-      assert sorted(m.host for m in backend.manifests() if m.step == 3) == [0, 1]
+      assert sorted(m.store for m in backend.manifests() if m.step == 3) == [0, 1]
 
   # ------------------------------------------------------------- manager
   def test_round_trip_is_bitwise_for_awkward_leaves(self, store_dir):

@@ -17,7 +17,8 @@ Each process gets its identity from the environment: ``SNAPSTORE_COORDINATOR``,
 leave what the incarnation report carries (:mod:`snapstore._reports`: host
 0's worker its restores and digests, the engine missing hosts, resizes and
 the reason for a full restart). A worker that wants its restore in the
-report calls :func:`report_restore` (re-exported here with the others).
+report calls :func:`snapstore.testing.report_restore` (:mod:`.worker` has
+the others).
 """
 
 from __future__ import annotations
@@ -38,18 +39,7 @@ from typing import Any
 
 from .. import _faults
 from .._backends import host_dir, read_progress
-from .._reports import (  # noqa: F401  (the worker's side, re-exported for workers)
-  IN_PLACE_ENV,
-  INCARNATION_ENV,
-  REPORT_DIR_ENV,
-  RESTART_EXIT_CODE,
-  incarnation_from_env,
-  report_digest,
-  report_missing,
-  report_resize,
-  report_restart,
-  report_restore,
-)
+from .._reports import IN_PLACE_ENV, RESTART_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 

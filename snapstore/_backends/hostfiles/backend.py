@@ -146,7 +146,7 @@ class HostFilesBackend(DomainStores):
                                        strict=True)),
           cap.parity)
       store.commit(Manifest(pieces=pieces,
-                            created=time.time(), host=store.host, slot=slot,
+                            created=time.time(), store=store.host, slot=slot,
                             scalars=dict(cap.scalars), parity=parity,
                             **pending.header.fields()))
       retain(store, self.options.keep, self.options.carries_replicas)

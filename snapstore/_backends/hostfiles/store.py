@@ -416,8 +416,8 @@ def scan(root: Path, *, run_id: str, host: int,
     if m.run_id != run_id:
       out.append((path, None, f"written by run {m.run_id!r}, this is run {run_id!r}"))
       continue
-    if (m.host, m.step, m.incarnation) != (host, int(named[1]), int(named[2])):
-      out.append((path, None, f"names host {m.host} step {m.step} incarnation "
+    if (m.store, m.step, m.incarnation) != (host, int(named[1]), int(named[2])):
+      out.append((path, None, f"names host {m.store} step {m.step} incarnation "
                               f"{m.incarnation}, not what its name says"))
       continue
     try:

@@ -114,8 +114,8 @@ class PinnedHostBackend(DomainStores):
 
   def drain(self, pending: _Pending) -> int:
     cap = pending.capture
-    if cap.host:  # CPU: one pass per byte, on the host, into the slot's memory
-      cap.copy_on_host(lambda sid, n: self.stores[sid].memory(pending.slots[sid], n),
+    if cap.cpu:  # CPU: one pass per byte, on the host, into the slot's memory
+      cap.copy_on_cpu(lambda sid, n: self.stores[sid].memory(pending.slots[sid], n),
                        self._pool, self.options.chunk_bytes)
     # Checksums first: each waits for its own copy only, so they run while
     # later copies still land; then every copy (the ones no checksum read).
@@ -130,9 +130,9 @@ class PinnedHostBackend(DomainStores):
            for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums, strict=True))),
           cap.parity)
       nbytes += cap.nbytes(sid)
-      store.fill(slot, cap.arrays[sid], cap.host_devices.get(sid))
+      store.fill(slot, cap.arrays[sid], cap.cpu_devices.get(sid))
       store.commit(Manifest(pieces=pieces,
-                            created=time.time(), host=sid, slot=slot, parity=parity,
+                            created=time.time(), store=sid, slot=slot, parity=parity,
                             scalars=dict(cap.scalars), **pending.header.fields()))
       retain(store, self.options.keep, self.options.carries_replicas)
     return nbytes

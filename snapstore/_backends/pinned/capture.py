@@ -13,7 +13,7 @@ state (the controller survives on Pathways) and are kept as controller copies.
 On CPU devices (whose ``pinned_host`` memory is this process's RAM) the copy
 is made on the host instead: ``capture`` pins views of the shards, and the
 drain copies each piece once with its crc32c into the slot's reused memory
-(:meth:`PinnedCapture.copy_on_host`), of which the store hands out
+(:meth:`PinnedCapture.copy_on_cpu`), of which the store hands out
 ``pinned_host`` arrays on demand (:class:`.store.PinnedHostStore`).
 """
 
@@ -43,7 +43,7 @@ from ..._checksum import (
 from ..._index import Index, nbytes as index_nbytes, normalize
 from ..._placement import HolderLayout, holder_layout, ring_keepers, shard_arrays
 from ..._tree import LeafKind, LeafSpec, Piece, piece_of, positions
-from .._copy import Capture as HostCapture, drain_domains, slot_offsets
+from .._copy import Capture, drain_domains, slot_offsets
 from .store import PINNED, Stored
 
 
@@ -63,11 +63,11 @@ class PinnedCapture:
   # CPU: domain -> (pieces the drain copies on the host (views of their
   # device buffers, pinned against donation), their positions, the devices
   # that keep them)
-  host: dict[int, tuple[HostCapture, list[int], list[jax.Device]]] = \
+  cpu: dict[int, tuple[Capture, list[int], list[jax.Device]]] = \
       dataclasses.field(default_factory=dict)
-  host_sums: dict[int, dict[int, Checksum]] = dataclasses.field(default_factory=dict)
+  cpu_sums: dict[int, dict[int, Checksum]] = dataclasses.field(default_factory=dict)
   # CPU: domain -> position -> device of each host part (the store's handles)
-  host_devices: dict[int, dict[int, jax.Device]] = dataclasses.field(default_factory=dict)
+  cpu_devices: dict[int, dict[int, jax.Device]] = dataclasses.field(default_factory=dict)
   checksum: ChecksumKind = ChecksumKind.DEVICE_SUM  # of every piece not in ``kinds``
 
   def kind(self, leaf: int, index: Index) -> ChecksumKind:
@@ -76,7 +76,7 @@ class PinnedCapture:
   def nbytes(self, domain: int) -> int:
     return sum(p.nbytes for p, _ in self.pieces[domain])
 
-  def copy_on_host(self, take: Callable[[int, int], np.ndarray], pool: futures.Executor,
+  def copy_on_cpu(self, take: Callable[[int, int], np.ndarray], pool: futures.Executor,
                    chunk_bytes: int) -> None:
     """CPU: copies every domain's host pieces into ``take(domain, bytes)``
     with their crc32c in one pass (the host-files drain); each piece is
@@ -85,7 +85,7 @@ class PinnedCapture:
     an earlier domain keeps too (a data-parallel twin) is
     written from the cache as that domain's copy passes: the same checked
     bytes, one read of memory and one crc32c for both."""
-    jobs = {d: self.host.pop(d) for d in sorted(self.host)}
+    jobs = {d: self.cpu.pop(d) for d in sorted(self.cpu)}
     offsets = {d: slot_offsets(cap.pieces) for d, (cap, _, _) in jobs.items()}
     bufs = {d: take(d, cap.nbytes) for d, (cap, _, _) in jobs.items()}
     kinds = {d: [(src.dtype, src.shape) for src in cast(list[np.ndarray], cap.sources)]
@@ -95,8 +95,8 @@ class PinnedCapture:
     for d, (cap, places, devices) in jobs.items():
       parts = [bufs[d][at:at + p.nbytes].view(dtype).reshape(shape)
                for p, at, (dtype, shape) in zip(cap.pieces, offsets[d], kinds[d], strict=True)]
-      sums = self.host_sums.setdefault(d, {})
-      where = self.host_devices.setdefault(d, {})
+      sums = self.cpu_sums.setdefault(d, {})
+      where = self.cpu_devices.setdefault(d, {})
       for pos, device, part, crc in zip(places, devices, parts, crcs[d], strict=True):
         self.arrays[d][pos] = part
         where[pos] = device
@@ -109,7 +109,7 @@ class PinnedCapture:
 
   def checksums(self, domain: int, pool: futures.Executor) -> list[Checksum]:
     """Each piece's checksum (crc32c of host copies runs on ``pool``)."""
-    done = self.host_sums.get(domain, {})
+    done = self.cpu_sums.get(domain, {})
     rest = [(pos, p) for pos, (p, _) in enumerate(self.pieces[domain]) if pos not in done]
     got = dict(zip((pos for pos, _ in rest),
                    pool.map(lambda x: self.sums[(x[1].leaf, x[1].index)](), rest), strict=True))
@@ -141,16 +141,16 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   # each piece once, checksumming it as it goes, into memory reused from the
   # slot's last snapshot (a put to pinned_host would cost the caller a JAX
   # call a leaf, and the drain a second pass for the crc32c and fresh pages).
-  on_host = checksum is ChecksumKind.CRC32C and all(
+  on_cpu = checksum is ChecksumKind.CRC32C and all(
       d.platform == "cpu" for devs in ring.slices.values() for d in devs)
-  if on_host:
-    cap.host = {d: (HostCapture(list(specs), [], [], [], {}), [], []) for d in ring.order}
+  if on_cpu:
+    cap.cpu = {d: (Capture(list(specs), [], [], [], {}), [], []) for d in ring.order}
   placed, protect = _place_leaves(cap, specs, leaves, ring, replicas=replicas, step=step,
-                                  chunk_bytes=chunk_bytes, stripes=stripes, on_host=on_host)
+                                  chunk_bytes=chunk_bytes, stripes=stripes, on_cpu=on_cpu)
   length = (_place_parity(cap, ring, stripes, protect)
             if protect and stripes is not None else 0)
   before_dispatch({d: cap.nbytes(d) for d in ring.order})
-  slot = ({} if on_host and not protect else
+  slot = ({} if on_cpu and not protect else
           {(p.leaf, p.index, d): n for d, ps in cap.pieces.items()
            for n, (p, _) in enumerate(ps)})
   _dispatch_leaves(cap, specs, placed, ring, slot, chunk_bytes)
@@ -165,7 +165,7 @@ _Placed = list[tuple[int, jax.Array, "_LeafPlacement"]]
 
 def _place_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], leaves: Sequence[Any],
                  ring: _Ring, *, replicas: int, step: int, chunk_bytes: int,
-                 stripes: _parity.Stripes | None, on_host: bool,
+                 stripes: _parity.Stripes | None, on_cpu: bool,
                  ) -> tuple[_Placed, list[tuple[int, jax.Array]]]:
   """Where each leaf's pieces go: scalars and numpy leaves taken now (a
   checked copy a domain), CPU leaves into the host captures, the rest
@@ -194,8 +194,8 @@ def _place_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], leaves: Sequenc
           and _parity.evenly_sharded(stripes, arr):
         kept = 0  # its own domain's copy, and the stripes' parity blocks
         protect.append((i, arr))
-      if on_host:
-        _add_host_leaf(cap, i, spec.path, arr, ring, kept)
+      if on_cpu:
+        _add_cpu_leaf(cap, i, spec.path, arr, ring, kept)
         continue
       plan = _LeafPlacement.of(spec, arr, ring, kept)
       for (index, d), owner in plan.keep.items():
@@ -238,7 +238,7 @@ def _dispatch_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], placed: _Pla
     for index, src in plan.sources.items():
       d = first[index]
       cap.sums[(i, index)] = (_pending_sum(src, per_shard) if on_device
-                              else _host_sum(cap, d, slot[(i, index, d)], chunk_bytes,
+                              else _cpu_sum(cap, d, slot[(i, index, d)], chunk_bytes,
                                              piece_key(specs[i].path, index)))
 
 
@@ -256,7 +256,7 @@ def _dispatch_parity(cap: PinnedCapture, ring: _Ring, stripes: _parity.Stripes,
     cap.arrays[d][at] = jax.device_put(shard.data, _pinned_on(shard.device))
     cap.sums[(_parity.PARITY_LEAF, index)] = (
         _pending_sum(shard.data, None) if cap.checksum is ChecksumKind.DEVICE_SUM
-        else _host_sum(cap, d, at, chunk_bytes, piece_key(_parity.PARITY_PATH, index)))
+        else _cpu_sum(cap, d, at, chunk_bytes, piece_key(_parity.PARITY_PATH, index)))
 
 
 def _known(checksum: Checksum) -> Callable[[], Checksum]:
@@ -276,9 +276,9 @@ _HostRowsDomains = tuple[tuple[int, tuple[tuple[Piece, int], ...], tuple[Piece, 
 
 
 @dataclasses.dataclass(frozen=True)
-class _HostRows:
+class _CpuRows:
   """A leaf's copies on CPU, from its layout alone (the same every save),
-  as :func:`_add_host_leaf` appends them: the shard position of each view
+  as :func:`_add_cpu_leaf` appends them: the shard position of each view
   taken (one per index: a data-parallel twin's own buffer is never read),
   and per keeping domain, in keep order, (domain, (piece, owner) of each
   copy, its piece, which view it is read from, the device that keeps it)."""
@@ -288,8 +288,8 @@ class _HostRows:
 
 
 @functools.lru_cache(maxsize=1 << 16)  # one entry a leaf: a state has thousands
-def _host_rows(leaf: int, layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring,
-               replicas: int, itemsize: int) -> _HostRows:
+def _cpu_rows(leaf: int, layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring,
+               replicas: int, itemsize: int) -> _CpuRows:
   keep, _, copies = _structure(layout, device_ids, ring, replicas)
   view_of: dict[Index, int] = {}  # index -> its view's number
   views: list[int] = []           # each view's shard position
@@ -304,21 +304,21 @@ def _host_rows(leaf: int, layout: HolderLayout, device_ids: tuple[int, ...], rin
                    view_of[index], device))
   # (each domain's rows, transposed: its copies, pieces, views and devices)
   columns = tuple((d, *map(tuple, zip(*rows, strict=True))) for d, rows in per.items() if rows)
-  return _HostRows(tuple(views), cast(_HostRowsDomains, columns))
+  return _CpuRows(tuple(views), cast(_HostRowsDomains, columns))
 
 
-def _add_host_leaf(cap: PinnedCapture, leaf: int, path: str, arr: jax.Array, ring: _Ring,
+def _add_cpu_leaf(cap: PinnedCapture, leaf: int, path: str, arr: jax.Array, ring: _Ring,
                    replicas: int) -> None:
   """CPU: appends the copies of one leaf (``replicas`` more than its
   holders', ring order), their sources pinned by a view each (the drain
-  copies them); its per-copy plan is computed once (:func:`_host_rows`): a
+  copies them); its per-copy plan is computed once (:func:`_cpu_rows`): a
   state has thousands of copies, every save."""
-  rows = _host_rows(leaf, holder_layout(path, arr, ring.domain_of), tuple(positions(arr)),
+  rows = _cpu_rows(leaf, holder_layout(path, arr, ring.domain_of), tuple(positions(arr)),
                     ring, replicas, arr.dtype.itemsize)
   shards = shard_arrays(arr)
   views = [np.asarray(shards[at]) for at in rows.views]  # pin the buffers (no donation)
   for d, kept, pieces, which, devices in rows.domains:
-    hc, places, devs = cap.host[d]
+    hc, places, devs = cap.cpu[d]
     base = len(cap.pieces[d])
     cap.pieces[d].extend(kept)
     cap.arrays[d].extend([None] * len(kept))  # the drain's parts fill them
@@ -497,7 +497,7 @@ def _ring_sharding(sharding: jax.sharding.Sharding, ring: _Ring, k: int
   return NamedSharding(mesh, sharding.spec, memory_kind=PINNED)
 
 
-def _host_sum(cap: PinnedCapture, domain: int, position: int, chunk_bytes: int,
+def _cpu_sum(cap: PinnedCapture, domain: int, position: int, chunk_bytes: int,
               key: bytes) -> Callable[[], Checksum]:
   """crc32c of a piece's first pinned copy, once it has landed (memoized)."""
   memo: list[Checksum] = []
