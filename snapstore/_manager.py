@@ -89,7 +89,7 @@ class SnapshotManager:
     self.metrics.interval, self.metrics.interval_reason = (self._schedule.interval,
                                                            self._schedule.reason)
     self._saver = _save.Saver(self._backend, self.options, self.metrics, self._schedule,
-                              self._arenas, self.num_hosts)
+                              self._arenas)
     self._closed = False
 
   # ------------------------------------------------------------------ save

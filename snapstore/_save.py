@@ -34,10 +34,10 @@ class Saver:
   """Captures and drains snapshots into ``backend``, counting in ``metrics``."""
 
   def __init__(self, backend: _backends.Backend, options: SnapshotOptions,
-               metrics: SaveMetrics, schedule: _interval.Schedule, arenas: ArenaCache,
-               num_hosts: int) -> None:
+               metrics: SaveMetrics, schedule: _interval.Schedule,
+               arenas: ArenaCache) -> None:
     self.backend, self.options, self.metrics = backend, options, metrics
-    self.schedule, self.arenas, self.num_hosts = schedule, arenas, num_hosts
+    self.schedule, self.arenas = schedule, arenas
     self.inflight: futures.Future[None] | None = None
     self.done_at = 0.0  # when the last drain finished (the schedule's clock)
     self.drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")

@@ -204,9 +204,9 @@ class BackendSuite:
           got = np.array(backend.fetch(plan, copy, None))
           np.testing.assert_array_equal(got, want[path][to_slices(index)])
           mine = np.asarray(backend.fetch(plan, copy, None))
-          if mine.flags.writeable:  # the caller's own memory: changing it changes no copy
-            mine[...] = 0
-            np.testing.assert_array_equal(np.asarray(backend.fetch(plan, copy, None)), got)
+          assert mine.flags.writeable, "a host fetch is the caller's own memory"
+          mine[...] = 0  # changing it changes no stored copy
+          np.testing.assert_array_equal(np.asarray(backend.fetch(plan, copy, None)), got)
 
   def test_protocol_a_corrupted_copy_raises_on_fetch_and_check(self, store_dir):
     with self.manager(store_dir) as mgr:
