@@ -9,12 +9,11 @@ import pytest
 
 from snapstore.testing import Kill, launch
 
-pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
-
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
+@pytest.mark.slow  # real multi-process jobs: the full suite only
 def test_the_coordination_service_listens_on_loopback_only(tmp_path, store_dir):
   out = tmp_path / "listening.json"
   incs = launch("tests._probe_worker", [str(out)], num_hosts=2, devices_per_host=1,
@@ -24,6 +23,7 @@ def test_the_coordination_service_listens_on_loopback_only(tmp_path, store_dir):
   assert json.loads(out.read_text()) == ["127.0.0.1"]
 
 
+@pytest.mark.slow
 def test_a_kill_whose_store_the_supervisor_cannot_see_is_an_error(tmp_path, store_dir):
   worker_store = tmp_path / "the-workers-store"
   with pytest.raises(RuntimeError, match="never fired"):
