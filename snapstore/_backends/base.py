@@ -118,6 +118,18 @@ class Backend(PieceSource, Protocol[PendingT]):
   def close(self) -> None: ...
 
 
+class ProgressInMemory:
+  """A store's progress kept in this process (its snapshots die with it)."""
+
+  _progress: tuple[int, int] = NO_PROGRESS
+
+  def write_progress(self, step: int, incarnation: int) -> None:
+    self._progress = (step, incarnation)
+
+  def read_progress(self) -> tuple[int, int]:
+    return self._progress
+
+
 def retain(store: Store, keep: int, carries: Callable[[int], bool] | None = None) -> None:
   """Applies :func:`._planner.retention` to one store (at most ``num_slots
   - 1`` kept, so one slot stays free for the next snapshot)."""

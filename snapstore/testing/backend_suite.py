@@ -14,6 +14,10 @@ test here on it::
       def flip(self, store, manifest, record, at, mask):
         ...  # XOR byte ``at`` of ``record``'s stored copy in ``store`` with ``mask``
 
+A backend that no ``StoreKind`` names yet also overrides :meth:`BackendSuite.make_backend`
+(``tests/test_memory_backend.py`` runs the suite on an in-memory backend
+written in the tests).
+
 Two tiers:
 
 - **protocol** (``test_protocol_*``): the :class:`~snapstore._backends.base.Backend`
@@ -36,7 +40,8 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +63,7 @@ from .. import (
     _planner,
 )
 from .._assemble import BadCopy
+from .._backends import Backend
 from .._index import to_slices
 from .._manifest import Manifest, PieceRecord
 from .._tree import flatten, tree_digest
@@ -131,11 +137,27 @@ class BackendSuite:
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
+  def make_backend(self, options: SnapshotOptions, *,
+                   slices: Mapping[int, Sequence[jax.Device]] | None,
+                   pool: futures.Executor) -> Backend[Any]:
+    """A backend that no :class:`StoreKind` names (one written outside
+    snapstore, e.g. a test's own); override it, and :meth:`manager` hands
+    it to the manager in place of the one ``options.store`` names."""
+    raise NotImplementedError
+
   def manager(self, store_dir: Path, **kw: Any) -> SnapshotManager:
     kw.setdefault("run_id", "conformance")
     devs = jax.devices()
-    return SnapshotManager(SnapshotOptions(store=self.store, store_dir=store_dir, **kw),
-                           slices={0: devs[:4], 1: devs[4:]} if self.slices else None)
+    options = SnapshotOptions(store=self.store, store_dir=store_dir, **kw)
+    slices = {0: devs[:4], 1: devs[4:]} if self.slices else None
+    if type(self).make_backend is BackendSuite.make_backend:
+      return SnapshotManager(options, slices=slices)
+    # The manager builds its backend with _backends.choose, from options.store
+    # alone; a backend outside that list replaces it for this construction.
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(_backends, "choose", lambda options, *, slices, pool, **_: (
+          self.make_backend(options, slices=slices, pool=pool)))
+      return SnapshotManager(options, slices=slices)
 
   def need_slices(self) -> None:
     if not self.slices:

@@ -27,7 +27,7 @@ import numpy as np
 from ... import _faults, _planner
 from ..._arena import ArenaCache
 from ..._manifest import Manifest, kept_copy
-from ..base import NO_PROGRESS
+from ..base import NO_PROGRESS, ProgressInMemory
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def supports_pinned_host(devices: Sequence[jax.Device]) -> bool:
     return False
 
 
-class PinnedHostStore:
+class PinnedHostStore(ProgressInMemory):
   """One failure domain's snapshots. Not thread-safe: the backend serializes."""
 
   def __init__(self, domain: int, *, keep: int, budget_bytes: int | None):
@@ -59,7 +59,6 @@ class PinnedHostStore:
     # next snapshot reuses once they are freed (a slot file's counterpart)
     self._memory: dict[int, ArenaCache] = {}
     self.num_slots = keep + 1
-    self._progress = NO_PROGRESS
 
   def __repr__(self) -> str:
     return f"pinned_host store of slice {self.host}"
@@ -155,12 +154,6 @@ class PinnedHostStore:
       memory.release()
     self._memory.clear()
     self._progress = NO_PROGRESS
-
-  def write_progress(self, step: int, incarnation: int) -> None:
-    self._progress = (step, incarnation)
-
-  def read_progress(self) -> tuple[int, int]:
-    return self._progress
 
   def close(self) -> None:
     self.wipe()
