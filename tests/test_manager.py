@@ -355,35 +355,6 @@ def test_resume_from_step_7_matches_uninterrupted_run(trainer, store_dir):
   assert_bitwise_equal(final, state)
 
 
-def test_skip_policy_counts_skipped_steps(trainer, store_dir):
-  state = trainer.init_state()
-  o = opts(store_dir, busy_policy=snapstore.BusyPolicy.SKIP, copy_threads=1)
-  with snapstore.SnapshotManager(o) as mgr:
-    gate = threading.Event()
-    mgr._saver.drainer.submit(gate.wait)  # the drain of step 1 waits behind this.
-    assert mgr.save(1, state)
-    assert not mgr.save(2, state)
-    gate.set()
-    mgr.wait_until_finished()
-    assert mgr.save(3, state)
-    mgr.wait_until_finished()
-    assert mgr.metrics.skipped_busy == 1
-    assert mgr.snapshot_steps() == [1, 3]
-
-
-def test_wait_policy_waits_and_counts(trainer, store_dir):
-  state = trainer.init_state()
-  with snapstore.SnapshotManager(opts(store_dir, copy_threads=1)) as mgr:
-    gate = threading.Event()
-    mgr._saver.drainer.submit(gate.wait)  # the drain of step 1 waits behind this.
-    assert mgr.save(1, state)
-    threading.Timer(0.2, gate.set).start()
-    assert mgr.save(2, state)
-    mgr.wait_until_finished()
-    assert mgr.metrics.waited_busy == 1
-    assert mgr.snapshot_steps() == [1, 2]
-
-
 def test_interval_and_non_snapshot_steps(trainer, store_dir):
   state = trainer.init_state()
   with snapstore.SnapshotManager(opts(store_dir, interval=snapstore.Every(3), keep=5)) as mgr:

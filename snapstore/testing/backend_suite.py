@@ -301,7 +301,6 @@ class BackendSuite:
       assert mgr.snapshot_steps() == []
 
   @pytest.mark.parametrize("policy", [BusyPolicy.WAIT, BusyPolicy.SKIP])
-
   def test_busy_policy_waits_or_skips_and_counts(self, store_dir, policy):
     with self.manager(store_dir, busy_policy=policy) as mgr:
       gate = threading.Event()
@@ -322,6 +321,9 @@ class BackendSuite:
       m = mgr.metrics
       assert (m.skipped_busy, m.waited_busy) == ((1, 0) if policy is BusyPolicy.SKIP else (0, 1))
       assert mgr.snapshot_steps() == ([1] if policy is BusyPolicy.SKIP else [1, 2])
+      assert mgr.save(3, awkward_state(jax.devices(), 3))  # not busy now: taken
+      mgr.wait_until_finished()
+      assert mgr.snapshot_steps()[-1] == 3
 
   def test_deleting_the_state_while_it_drains_keeps_the_snapshot(self, store_dir):
     """A caller may free the old state (``x.delete()``) as soon as ``save``
