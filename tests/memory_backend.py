@@ -2,9 +2,10 @@
 store's snapshots are numpy buffers in this process's memory, one store per
 failure domain (or one, without ``slices=``). It implements
 :class:`snapstore._backends.base.Backend` from the shared parts any backend
-may use (the capture, the drain's copy and checksums, the planner's slot
-rules), and ``tests/test_memory_backend.py`` runs the whole conformance
-suite on it by supplying it and its backdoor.
+may use (host files' per-domain capture; ``_copy``'s drain, commit and
+verified fetch; the planner's slot rules), and
+``tests/test_memory_backend.py`` runs the whole conformance suite on it by
+supplying it and its backdoor.
 
 Not a product: it keeps nothing across processes, and has no parity.
 """
@@ -12,7 +13,6 @@ Not a product: it keeps nothing across processes, and has no parity.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any
@@ -23,11 +23,11 @@ import numpy as np
 from snapstore import SnapshotOptions, StoreKind, _planner
 from snapstore._assemble import Assembler, BadCopy
 from snapstore._backends import _copy
-from snapstore._backends.base import NO_PROGRESS, DomainStores, Header, ProgressInMemory, retain
+from snapstore._backends.base import NO_PROGRESS, DomainStores, Header, ProgressInMemory
 from snapstore._backends.hostfiles.capture import capture_by_domain
-from snapstore._checksum import ChecksumKind, copy_verified, crc_matches, piece_key
-from snapstore._index import Index, shape_of
-from snapstore._manifest import Manifest, kept_copy, piece_row, split_parity
+from snapstore._checksum import crc_matches, piece_key
+from snapstore._index import Index
+from snapstore._manifest import Manifest, kept_copy
 from snapstore._planner import Copy, StepPlan
 from snapstore._tree import LeafSpec
 
@@ -54,6 +54,9 @@ class MemoryStore(ProgressInMemory):
       self.delete(m, f"slot {slot} reused for step {step}")
     self.slots[slot] = np.zeros(nbytes, np.uint8)
     return slot
+
+  def slot_buffer(self, slot: int) -> np.ndarray:
+    return self.slots[slot]
 
   def commit(self, manifest: Manifest) -> None:
     self._manifests[(manifest.step, manifest.incarnation)] = kept_copy(manifest)
@@ -113,20 +116,8 @@ class MemoryBackend(DomainStores):
                              for k, cap in caps.items()])
 
   def drain(self, pending: _Pending) -> int:
-    offsets = {store.host: _copy.slot_offsets(cap.pieces) for store, cap, _ in pending.jobs}
-    crcs = _copy.drain_domains({store.host: cap for store, cap, _ in pending.jobs},
-                               {store.host: store.slots[slot] for store, _, slot in pending.jobs},
-                               offsets, pool=self._pool, chunk_bytes=self.options.chunk_bytes)
-    for store, cap, slot in pending.jobs:
-      rows = (piece_row(p.leaf, p.index, off, p.nbytes, c, owner, ChecksumKind.CRC32C)
-              for p, off, c, owner in zip(cap.pieces, offsets[store.host], crcs[store.host],
-                                          cap.owners, strict=True))
-      pieces, parity = split_parity(rows, cap.parity)
-      store.commit(Manifest(pieces=pieces, created=time.time(), store=store.host, slot=slot,
-                            scalars=dict(cap.scalars), parity=parity,
-                            **pending.header.fields()))
-      retain(store, self.options.keep, self.options.carries_replicas)
-    return sum(cap.nbytes for _, cap, _ in pending.jobs)
+    return _copy.drain_and_commit(pending.jobs, pending.header, pool=self._pool,
+                                  options=self.options)
 
   def _bytes(self, plan: StepPlan, copy: Copy) -> np.ndarray:
     rec = copy.record
@@ -146,11 +137,11 @@ class MemoryBackend(DomainStores):
             out: np.ndarray | None = None) -> Any:
     rec = copy.record
     path, dtype = plan.path_and_dtype(rec)
-    got = copy_verified(self._bytes(plan, copy), rec.checksum, chunk_bytes=plan.chunk_bytes,
-                        key=piece_key(path, rec.index), out=out)
+    got = _copy.verified_piece(self._bytes(plan, copy), rec, path, dtype,
+                               chunk_bytes=plan.chunk_bytes, pool=self._pool, out=out)
     if got is None:
       raise BadCopy(copy.key(plan.step), path)
-    return got.view(dtype) if rec.leaf < 0 else got.view(dtype).reshape(shape_of(rec.index))
+    return got
 
   def fetch_run(self, plan: StepPlan, copies: Sequence[Copy], out: np.ndarray) -> list[Any]:
     raise NotImplementedError("runs is False")

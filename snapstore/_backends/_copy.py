@@ -7,14 +7,19 @@ replica pieces). :func:`drain` copies every piece into a buffer at its
 offset with its crc32c per chunk (:func:`snapstore._checksum.copy_crc`: one
 pass where the C extension is built), then drops the sources so the next
 step may donate again; :func:`drain_domains` drains several failure
-domains' captures at once, writing a twin piece from the cache.
+domains' captures at once, writing a twin piece from the cache;
+:func:`drain_and_commit` does that for stores of slot buffers and commits
+each store's manifest (:func:`commit`, which every backend's drain ends
+with). :func:`verified_piece` is the other way: a stored host copy back
+into memory of the caller's own, checked as it is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -22,9 +27,21 @@ import jax
 import numpy as np
 
 from .. import _parity
-from .._checksum import CACHE_BYTES, chunk_seeds, copy_crc, copy_crc_gather, first_seed, piece_key
-from .._index import Index, align
+from .._checksum import (
+  CACHE_BYTES,
+  ChecksumKind,
+  chunk_seeds,
+  copy_crc,
+  copy_crc_gather,
+  copy_verified,
+  first_seed,
+  piece_key,
+)
+from .._index import Index, align, shape_of
+from .._manifest import Manifest, PieceRecord, piece_row, split_parity
 from .._tree import LeafSpec, Piece, filled
+from ..options import SnapshotOptions
+from .base import Header, retain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,3 +225,54 @@ def drain_domains(caps: Mapping[int, Capture], bufs: Mapping[int, np.ndarray],
     cap.release()
   return {d: [crcs[twin_of.get((d, j), (d, j))] for j in range(len(cap.pieces))]
           for d, cap in caps.items()}
+
+
+def commit(store: Any, header: Header, rows: Iterable[tuple[Any, ...]],
+           parity_of: Mapping[tuple[int, int], tuple[Any, ...]], *, slot: int,
+           scalars: Mapping[int, Any], options: SnapshotOptions) -> None:
+  """Commits one store's snapshot in ``slot``: its manifest from the pieces'
+  :func:`.._manifest.piece_row` rows (rows, not records: nothing per piece
+  outlives the drain as an object the garbage collector tracks; see
+  PieceTable), then retention."""
+  pieces, parity = split_parity(rows, parity_of)
+  store.commit(Manifest(pieces=pieces, created=time.time(), store=store.host, slot=slot,
+                        scalars=dict(scalars), parity=parity, **header.fields()))
+  retain(store, options.keep, options.carries_replicas)
+
+
+def drain_and_commit(jobs: Sequence[tuple[Any, Capture, int]], header: Header, *,
+                     pool: futures.Executor, options: SnapshotOptions) -> int:
+  """Drains each ``(store, capture, slot)`` into ``store.slot_buffer(slot)``,
+  every store's pieces in one pass (:func:`drain_domains`: a data-parallel
+  twin is copied once from its source), and commits each store's manifest.
+  Returns the bytes stored."""
+  offsets = {store.host: slot_offsets(cap.pieces) for store, cap, _ in jobs}
+  crcs_of = drain_domains({store.host: cap for store, cap, _ in jobs},
+                          {store.host: store.slot_buffer(slot) for store, _, slot in jobs},
+                          offsets, pool=pool, chunk_bytes=options.chunk_bytes)
+  for store, cap, slot in jobs:
+    rows = (piece_row(p.leaf, p.index, off, p.nbytes, c, owner, ChecksumKind.CRC32C)
+            for p, off, c, owner in zip(cap.pieces, offsets[store.host], crcs_of[store.host],
+                                        cap.owners, strict=True))
+    commit(store, header, rows, cap.parity, slot=slot, scalars=cap.scalars, options=options)
+  return sum(cap.nbytes for _, cap, _ in jobs)
+
+
+def verified_piece(raw: np.ndarray, rec: PieceRecord, path: str, dtype: np.dtype, *,
+                   chunk_bytes: int, pool: futures.Executor | None,
+                   out: np.ndarray | None = None) -> np.ndarray | None:
+  """A private copy of a stored host copy ``raw``, each chunk checked against
+  its crc32c as it is made, typed and shaped like its piece; None if one does
+  not match (or ``rec`` has no crc32c). ``out``: memory of the caller's own
+  to copy into, on the calling thread (``pool`` is used only without it).
+
+  Private, because a store's memory may be rewritten or shrunk by a later
+  save (or another process), and ``device_put`` may alias a page-aligned
+  host buffer instead of copying it."""
+  if rec.kind is not ChecksumKind.CRC32C:
+    return None
+  got = copy_verified(raw, rec.checksum, chunk_bytes=chunk_bytes, key=piece_key(path, rec.index),
+                      pool=pool if out is None else None, out=out)
+  if got is None:
+    return None
+  return got.view(dtype) if rec.leaf < 0 else got.view(dtype).reshape(shape_of(rec.index))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any
@@ -25,19 +24,17 @@ from ..._assemble import Assembler, BadCopy
 from ..._checksum import (
   ChecksumKind,
   copy_crc_many,
-  copy_verified,
   crc_matches,
   first_seed,
   piece_key,
 )
 from ..._index import Index, shape_of
-from ..._manifest import Manifest, piece_row, split_parity
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafSpec
 from ...options import SnapshotOptions, StoreKind
 from .. import _copy
-from ..base import DomainStores, Header, retain
+from ..base import DomainStores, Header
 from . import capture as _capture
 from .store import HostStore, host_dir
 
@@ -126,31 +123,8 @@ class HostFilesBackend(DomainStores):
     return _Pending(header, jobs)
 
   def drain(self, pending: _Pending) -> int:
-    nbytes = 0
-    offsets = {store.host: _copy.slot_offsets(cap.pieces)
-               for store, cap, _ in pending.jobs}
-    # Every store's pieces in one pass (one store per domain on a single
-    # controller: a data-parallel twin is copied once from the source).
-    crcs_of = _copy.drain_domains(
-        {store.host: cap for store, cap, _ in pending.jobs},
-        {store.host: store.slot_buffer(slot) for store, _, slot in pending.jobs},
-        offsets, pool=self._pool, chunk_bytes=self.options.chunk_bytes)
-    for store, cap, slot in pending.jobs:
-      nbytes += cap.nbytes
-      crcs = crcs_of[store.host]
-      # Rows, not records: nothing per piece outlives the drain as an object
-      # the garbage collector tracks (see PieceTable).
-      pieces, parity = split_parity(
-          (piece_row(p.leaf, p.index, off, p.nbytes, c, owner, ChecksumKind.CRC32C)
-           for p, off, c, owner in zip(cap.pieces, offsets[store.host], crcs, cap.owners,
-                                       strict=True)),
-          cap.parity)
-      store.commit(Manifest(pieces=pieces,
-                            created=time.time(), store=store.host, slot=slot,
-                            scalars=dict(cap.scalars), parity=parity,
-                            **pending.header.fields()))
-      retain(store, self.options.keep, self.options.carries_replicas)
-    return nbytes
+    return _copy.drain_and_commit(pending.jobs, pending.header, pool=self._pool,
+                                  options=self.options)
 
   # --------------------------------------------------------------- restore
   def _slot(self, plan: StepPlan, copy: Copy) -> np.ndarray:
@@ -191,18 +165,11 @@ class HostFilesBackend(DomainStores):
             out: np.ndarray | None = None) -> Any:
     rec = copy.record
     path, dtype = plan.path_and_dtype(rec)
-    raw = self._read(plan, copy)
-    # A private copy, checked as it is made: the slot is shared memory that a
-    # later save (or another process) may rewrite or shrink, and device_put
-    # may alias a page-aligned host buffer instead of copying it.
-    got = (copy_verified(raw, rec.checksum, chunk_bytes=plan.chunk_bytes,
-                         key=piece_key(path, rec.index),
-                         pool=self._pool if out is None else None, out=out)
-           if rec.kind is ChecksumKind.CRC32C else None)
-    del raw
+    got = _copy.verified_piece(self._read(plan, copy), rec, path, dtype,
+                               chunk_bytes=plan.chunk_bytes, pool=self._pool, out=out)
     if got is None:
       raise BadCopy(copy.key(plan.step), path)
-    return got.view(dtype) if rec.leaf < 0 else got.view(dtype).reshape(shape_of(rec.index))
+    return got
 
   def fetch_run(self, plan: StepPlan, copies: Sequence[Copy], out: np.ndarray
                 ) -> list[Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any, cast
@@ -28,17 +27,16 @@ from ..._assemble import Assembler, BadCopy
 from ..._checksum import (
   ChecksumKind,
   as_checksum,
-  copy_verified,
   device_checksum,
-  piece_key,
   shard_checksums,
 )
-from ..._index import Index, shape_of
-from ..._manifest import Manifest, piece_row, split_parity
+from ..._index import Index
+from ..._manifest import piece_row
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafKind, LeafSpec
 from ...options import SnapshotOptions, StoreKind
-from ..base import DomainStores, Header, retain
+from .. import _copy
+from ..base import DomainStores, Header
 from . import capture as _capture
 from .capture import device_of
 from .store import PINNED, PinnedHostStore, Stored
@@ -125,16 +123,13 @@ class PinnedHostBackend(DomainStores):
     for sid, slot in pending.slots.items():
       store = self.stores[sid]
       sums = sums_of[sid]
-      pieces, parity = split_parity(
-          (piece_row(p.leaf, p.index, pos, p.nbytes, ck, owner, cap.kind(p.leaf, p.index))
-           for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums, strict=True))),
-          cap.parity)
       nbytes += cap.nbytes(sid)
       store.fill(slot, cap.arrays[sid], cap.cpu_devices.get(sid))
-      store.commit(Manifest(pieces=pieces,
-                            created=time.time(), store=sid, slot=slot, parity=parity,
-                            scalars=dict(cap.scalars), **pending.header.fields()))
-      retain(store, self.options.keep, self.options.carries_replicas)
+      _copy.commit(store, pending.header,
+                   (piece_row(p.leaf, p.index, pos, p.nbytes, ck, owner, cap.kind(p.leaf, p.index))
+                    for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums,
+                                                               strict=True))),
+                   cap.parity, slot=slot, scalars=cap.scalars, options=self.options)
     return nbytes
 
   # --------------------------------------------------------------- restore
@@ -146,19 +141,12 @@ class PinnedHostBackend(DomainStores):
     rec = copy.record
     path, dtype = plan.path_and_dtype(rec)
     holder = f"slice {copy.store}"
-    key = piece_key(path, rec.index)
     got: Stored | None
     try:
       stored = self._stored(copy)
       if rec.kind is ChecksumKind.CRC32C:  # a private copy, verified as it is made
-        host = copy_verified(np.asarray(stored), rec.checksum, chunk_bytes=plan.chunk_bytes,
-                             key=key, pool=self._pool if out is None else None, out=out)
-        if host is None:
-          got = None
-        elif rec.leaf < 0:
-          got = host.view(dtype)
-        else:
-          got = host.view(dtype).reshape(shape_of(rec.index))
+        got = _copy.verified_piece(np.asarray(stored), rec, path, dtype,
+                                   chunk_bytes=plan.chunk_bytes, pool=self._pool, out=out)
         ok = got is not None
       else:  # (a device-summed copy is a jax.Array)
         on = device or device_of(cast(jax.Array, stored))
