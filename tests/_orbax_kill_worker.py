@@ -33,6 +33,8 @@ if __name__ == "__main__":
   with snapstore.SnapshotManager(opts, persistent=str(where / "ckpt")) as mgr:
     if mode == "save":
       for s in range(1, 13):
+        if s == 10:  # snapshot 9 and Orbax's step 5 committed: what the kill must find
+          mgr.wait_until_finished()
         mgr.save(s, state(s))
     else:
       r = mgr.restore(jax.eval_shape(lambda: state(0)))

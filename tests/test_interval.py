@@ -45,7 +45,9 @@ def test_auto_interval_is_1_for_a_tiny_state_and_grows_for_a_costly_one(store_di
   def slow_step(s):
     time.sleep(0.05)  # a step much longer than the snapshot
     return jax.tree.map(lambda x: x + 1, s)
-  m, saved = run_auto(store_dir / "tiny", tiny, slow_step, 30, mtbf=1.0)
+  # MTBF 0.1 s: interval 1 holds while a save costs under ~50 ms (a loaded
+  # CI machine's save of 64 bytes stays far below), not ~5 ms as at 1 s.
+  m, saved = run_auto(store_dir / "tiny", tiny, slow_step, 30, mtbf=0.1)
   assert m.interval == 1 and saved == 30, m.interval_reason
   assert "Young/Daly" in m.interval_reason
 

@@ -157,7 +157,8 @@ def _worker(mode, where, **env):
 @pytest.mark.parametrize("wipe", [False, True], ids=["snapshot-wins", "older-orbax-wins"])
 def test_a_kill_during_an_in_flight_orbax_save_never_restores_it(tmp_path, wipe):
   """A real SIGKILL right after step 10's async Orbax save of a 64 MB state
-  is dispatched: that checkpoint is on disk but never committed. The restore
+  is dispatched: that checkpoint is never committed (Orbax may or may not
+  have made its temporary folder yet). The restore
   takes the RAM snapshot of step 9, or with the store wiped (a replaced
   machine) Orbax's committed step 5: bitwise the state saved there, never
   the torn step 10."""
@@ -166,8 +167,8 @@ def test_a_kill_during_an_in_flight_orbax_save_never_restores_it(tmp_path, wipe)
   import signal
   killed = _worker("save", tmp_path, SNAPSTORE_FAULT="persistent@10")
   assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+  assert "SIGKILL at persistent of step 10" in killed.stderr.decode()
   ckpt = tmp_path / "ckpt"
-  assert any(p.name.startswith("10") for p in ckpt.iterdir()), sorted(ckpt.iterdir())
   assert not (ckpt / "10").is_dir(), "the save committed before the kill: state too small?"
   if wipe:
     shutil.rmtree(tmp_path / "store")

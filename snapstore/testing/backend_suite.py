@@ -315,8 +315,9 @@ class BackendSuite:
         assert not mgr.save(2, awkward_state(jax.devices(), 2))
         gate.set()
       else:
-        threading.Timer(0.2, gate.set).start()
-        assert mgr.save(2, awkward_state(jax.devices(), 2))
+        second = awkward_state(jax.devices(), 2)  # built first: save(2) must find 1 busy
+        threading.Timer(1.0, gate.set).start()
+        assert mgr.save(2, second)
       mgr.wait_until_finished()
       m = mgr.metrics
       assert (m.skipped_busy, m.waited_busy) == ((1, 0) if policy is BusyPolicy.SKIP else (0, 1))
