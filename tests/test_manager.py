@@ -561,7 +561,7 @@ def test_one_thread_reaps_every_spare_and_ends_when_none_is_left(monkeypatch):
   """However many mappings are let go of, one thread unmaps them when their
   time is up, and it ends when none is left (no thread per mapping)."""
   from snapstore import _arena
-  monkeypatch.setattr(_arena, "SPARE_SECONDS", 0.2)
+  monkeypatch.setattr(_arena, "SPARE_SECONDS", 30.0)  # none expires before the checks
   before = threading.active_count()
   caches = [_arena.ArenaCache() for _ in range(8)]
   held = [cache.take(1 << 16) for cache in caches]  # eight distinct mappings
@@ -572,5 +572,6 @@ def test_one_thread_reaps_every_spare_and_ends_when_none_is_left(monkeypatch):
   assert threading.active_count() <= before + 1
   reaper = _arena._reaper
   assert reaper is not None
+  monkeypatch.setattr(_arena, "SPARE_SECONDS", 0.01)  # the reaper re-reads it within 1 s
   reaper.join(timeout=10)
   assert not reaper.is_alive() and _arena.spare_bytes() == 0
