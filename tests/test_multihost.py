@@ -467,7 +467,7 @@ def resized_restores(job, host):
 
 def test_in_place_job_goes_on_without_a_lost_host_and_grows_back(reference, tmp_path,
                                                                  cache_dir):
-  """``min_hosts=3``, no replacement for 10 s. Host 2 is killed at a seeded
+  """``min_hosts=3``, no replacement for 20 s. Host 2 is killed at a seeded
   step: the survivors wait 2 s for a replacement (``replacement_wait_s``,
   decided in the service: all of them run short from the same block), then
   restore onto a 3-host (6-device) mesh,
@@ -480,7 +480,7 @@ def test_in_place_job_goes_on_without_a_lost_host_and_grows_back(reference, tmp_
   step 5, trained short, is committed by the 3 hosts alone."""
   kill_step = random.Random(36).randint(3, 4)
   job = Job(tmp_path, cache_dir, "resize").run(
-      [Kill(host=2, step=kill_step)], in_place=True, min_hosts=3, replacement_delay_s=10,
+      [Kill(host=2, step=kill_step)], in_place=True, min_hosts=3, replacement_delay_s=20,
       steps=12, worker_env={REPLACEMENT_WAIT_ENV: "2"},
       args=["--hosts-per-domain", "2", "--short-steps", "3", "--digest-every-step",
             "--persistent", str(tmp_path / "orbax"), "--checkpoint-every", "5"])
