@@ -1,19 +1,30 @@
-"""The checks a CPU cannot make, as one command for a GPU machine.
+"""The checks a CPU cannot make, as one command for a GPU or TPU machine.
 
-``python -m benchmarks.device_check [--mb 1024]`` prints JSON:
+``python -m benchmarks.device_check [--mb 1024] [--state-mb 2048]`` prints
+JSON, every figure of one run:
 
 * ``capture``: device -> ``pinned_host`` throughput (``jax.device_put`` onto
   the same sharding with ``memory_kind="pinned_host"``, what the pinned-host
-  store does) against ``jax.device_get`` and a host ``memcpy``, same run;
-* ``snapshot``: a ``SnapshotManager`` save (to host files) and restore of
-  the same state, bitwise checked, with their throughput;
-* ``recovery``: ``snapstore.recovery.set_flags`` on GPU (JAX's documented
-  flag set), then a recoverable one-process job (``jax_enable_recoverability``,
-  ``live_devices``) running a jitted step. Recovery across processes needs
-  one GPU per process; with one GPU this checks that the flag set and the
-  ``InPlace`` loop start and run.
+  store does), ``pinned_host`` -> device (its restore), ``jax.device_get``
+  and a host ``memcpy``;
+* ``stores``: for host files and the pinned-host store (its on-device sum,
+  and crc32c on the host): a ``SnapshotManager``'s first save, a warm save
+  (``save`` to ``wait_until_finished``) and a warm restore onto the device,
+  bitwise checked;
+* ``overhead``: a jitted, donating train step of about ``--step-ms`` on a
+  state of ``--state-mb`` (16 leaves), with a snapshot every ``--intervals``
+  steps against none, interleaved rounds, best round of each, per store,
+  captured from the state's buffers and staged in device memory
+  (``stage_on_device``);
+* ``orbax``: the same state through Orbax's ``StandardCheckpointer`` on a
+  local directory (a floor for GCS), save and restore onto the device,
+  against the pinned-host store's warm restore, bitwise checked;
+* ``recovery`` (GPU only): ``snapstore.recovery.set_flags`` (JAX's
+  documented flag set), then a recoverable one-process job
+  (``jax_enable_recoverability``, ``live_devices``) running a jitted step.
 
-Without a GPU it prints ``{"skipped": ...}`` and exits 0.
+Without an accelerator it prints ``{"skipped": ...}`` and exits 0 (``--cpu``
+runs it anyway, as a smoke test of the script).
 """
 
 from __future__ import annotations
@@ -21,69 +32,242 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+STORES = {"host_files": ("HOST_FILES", "auto"), "pinned_device_sum": ("PINNED_HOST", "device"),
+          "pinned_crc32c": ("PINNED_HOST", "host")}
+# overhead: (store, stage_on_device), the capture from the state's buffers against staged
+OVERHEAD = [("host_files", False), ("host_files", True), ("pinned_device_sum", False),
+            ("pinned_device_sum", True)]
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
   return round(nbytes / seconds / 1e9, 2)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser()
-  p.add_argument("--mb", type=int, default=1024)
-  p.add_argument("--repeats", type=int, default=5)
-  a = p.parse_args(argv)
-  os.environ.setdefault("JAX_PLATFORMS", "cuda")
-  from snapstore import recovery
-  recovery.set_flags()  # before the backend starts
+def _best(fn: Callable[[], Any], repeats: int) -> float:
   import jax
-  try:
-    gpus = jax.devices("gpu")
-  except RuntimeError as e:
-    print(json.dumps({"skipped": f"no GPU: {e}"}))
-    return 0
-  import numpy as np
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def _tmp_root() -> str | None:
+  return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def _fresh_get(x: Any, repeats: int) -> float:
+  """``jax.device_get`` of a new array each time (an array caches its host copy)."""
+  import jax
+  best = float("inf")
+  for i in range(repeats):
+    y = jax.block_until_ready(x + float(i))
+    t = time.perf_counter()
+    jax.device_get(y)
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def capture(mb: int, repeats: int) -> dict[str, Any]:
+  """Raw copies between device memory and host memory, one leaf of ``mb``."""
+  import jax
+  x = jax.device_put(np.arange((mb << 20) // 4, dtype=np.float32), jax.devices()[0])
+  pinned = x.sharding.with_memory_kind("pinned_host")
+  on_host = jax.device_put(x, pinned)
+  host = np.empty(x.shape, np.float32)
+  src = np.asarray(jax.device_get(x))
+  return {
+      "mb": mb,
+      "device_to_pinned_host_gbps": _gbps(x.nbytes, _best(lambda: jax.device_put(x, pinned),
+                                                          repeats)),
+      "pinned_host_to_device_gbps": _gbps(x.nbytes, _best(
+          lambda: jax.device_put(on_host, x.sharding), repeats)),
+      "device_get_gbps": _gbps(x.nbytes, _fresh_get(x, repeats)),
+      "host_memcpy_gbps": _gbps(x.nbytes, _best(lambda: np.copyto(host, src), repeats)),
+  }
+
+
+def make_state(state_mb: int, leaves: int = 16) -> dict[str, Any]:
+  """``leaves`` float32 leaves of ``state_mb`` in all, sharded over every local device."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+  elems = (state_mb << 20) // 4 // leaves // 1024 * 1024
+  make = jax.jit(lambda k: jax.random.normal(k, (elems,), jnp.float32),
+                 out_shardings=NamedSharding(mesh, P("d")))
+  return {f"w{i:02d}": make(jax.random.key(i)) for i in range(leaves)}
+
+
+def manager(kind: str, store_dir: str, stage: bool = False):
+  import jax
 
   import snapstore
-  out: dict = {"devices": [str(d) for d in gpus], "jax": jax.__version__,
-               "xla_flags": os.environ.get("XLA_FLAGS", "")}
-  n = (a.mb << 20) // 4
-  x = jax.device_put(np.arange(n, dtype=np.float32), gpus[0])
-  x.block_until_ready()
-  pinned = x.sharding.with_memory_kind("pinned_host")
+  store, checksum = STORES[kind]
+  opts = snapstore.SnapshotOptions(store_dir=store_dir, keep=1, run_id=kind,
+                                   store=snapstore.StoreKind[store], pinned_checksum=checksum,
+                                   stage_on_device=stage)
+  slices = {0: jax.devices()} if store == "PINNED_HOST" else None
+  return snapstore.SnapshotManager(opts, slices=slices)
 
-  def timed(fn) -> float:
-    best = float("inf")
-    for _ in range(a.repeats):
-      t = time.perf_counter()
-      jax.block_until_ready(fn())
-      best = min(best, time.perf_counter() - t)
-    return best
 
-  host = np.empty(n, np.float32)
-  out["capture"] = {
-      "mb": a.mb,
-      "device_to_pinned_host_gbps": _gbps(x.nbytes, timed(lambda: jax.device_put(x, pinned))),
-      "device_get_gbps": _gbps(x.nbytes, timed(lambda: jax.device_get(x))),
-      "host_memcpy_gbps": _gbps(x.nbytes, timed(lambda: np.copyto(host, np.asarray(host)))),
-  }
-  state = {"w": x, "step": 3}
-  with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-    with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=d, keep=1)) as mgr:
+def _abstract(state: Any) -> Any:
+  import jax
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      state)
+
+
+def _equal(a: Any, b: Any) -> bool:
+  import jax
+  return all(np.array_equal(np.asarray(x), np.asarray(y))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def stores(state: Any, repeats: int) -> dict[str, Any]:
+  """Each store's first save, warm save and warm restore of ``state``."""
+  import jax
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  out: dict[str, Any] = {"state_mb": nbytes >> 20}
+  for kind in STORES:
+    d = tempfile.mkdtemp(prefix="snapstore-dc-", dir=_tmp_root())
+    try:
+      with manager(kind, d) as mgr:
+        t = time.perf_counter()
+        mgr.save(0, state, force=True)
+        mgr.wait_until_finished()
+        first = time.perf_counter() - t
+        returns, completes = [], []
+        for i in range(repeats):
+          t = time.perf_counter()
+          mgr.save(i + 1, state, force=True)
+          returns.append(time.perf_counter() - t)
+          mgr.wait_until_finished()
+          completes.append(time.perf_counter() - t)
+        restores = []
+        for _ in range(repeats):
+          t = time.perf_counter()
+          r = mgr.restore(_abstract(state))
+          jax.block_until_ready(r.state)
+          restores.append(time.perf_counter() - t)
+        out[kind] = {
+            "first_save_s": round(first, 4),
+            "save_returns_s": round(min(returns), 4),
+            "save_complete_s": round(min(completes), 4),
+            "save_complete_gbps": _gbps(nbytes, min(completes)),
+            "restore_s": round(min(restores), 4),
+            "restore_gbps": _gbps(nbytes, min(restores)),
+            "staged_bytes": mgr.metrics.staged_bytes,
+            "restored_step": r.step, "bitwise_equal": _equal(r.state, state)}
+    finally:
+      shutil.rmtree(d, ignore_errors=True)
+  return out
+
+
+def train_step(state: Any, step_ms: float) -> tuple[Callable[..., Any], Any, int]:
+  """A jitted, donating ``fn(state, x, iters)`` that touches every leaf and
+  computes for about ``step_ms`` (a bf16 matmul chain)."""
+  import jax
+  import jax.numpy as jnp
+  w = jnp.eye(4096, dtype=jnp.bfloat16) * 0.999
+  x = jnp.ones((4096, 4096), jnp.bfloat16)
+
+  def body(state, x, iters):
+    y = jax.lax.fori_loop(0, iters, lambda _, y: jnp.tanh(y @ w), x)
+    return jax.tree.map(lambda a: a * 0.5 + y[0, 0].astype(a.dtype) * 0.5, state)
+  fn = jax.jit(body, static_argnums=2, donate_argnums=0)
+  iters = 1
+  while True:
+    state = jax.block_until_ready(fn(state, x, iters))  # compiles
+    t = time.perf_counter()
+    state = jax.block_until_ready(fn(state, x, iters))
+    took = time.perf_counter() - t
+    if took * 1e3 >= step_ms or iters >= 1 << 14:
+      return fn, x, iters
+    iters *= 2
+
+
+def overhead(state_mb: int, step_ms: float, intervals: Sequence[int], steps: int,
+             rounds: int) -> dict[str, Any]:
+  """Step time with a snapshot every ``interval`` steps over step time without."""
+  import jax
+  state = make_state(state_mb)
+  fn, x, iters = train_step(jax.tree.map(lambda a: a.copy(), state), step_ms)
+  out: dict[str, Any] = {"state_mb": state_mb, "iters": iters}
+  for kind, stage in OVERHEAD:
+    d = tempfile.mkdtemp(prefix="snapstore-dc-", dir=_tmp_root())
+    try:
+      with manager(kind, d, stage) as mgr:
+        step = 0
+
+        def loop(interval: int | None) -> float:
+          nonlocal state, step
+          t = time.perf_counter()
+          for _ in range(steps):
+            step += 1
+            state = fn(state, x, iters)
+            if interval is not None and step % interval == 0:
+              mgr.save(step, state, force=True)
+          jax.block_until_ready(state)
+          mgr.wait_until_finished()
+          return (time.perf_counter() - t) / steps
+
+        loop(max(intervals))  # compiles, and the first save makes the store
+        best: dict[str, float] = {}
+        for _ in range(rounds):
+          for key, interval in [("none", None)] + [(str(i), i) for i in intervals]:
+            best[key] = min(best.get(key, float("inf")), loop(interval))
+      staged = mgr.metrics.staged_bytes
+      out[f"{kind}{'_staged' if stage else ''}"] = {
+          "step_ms_none": round(best["none"] * 1e3, 2), "staged_bytes": staged, **{
+          f"every_{i}": {"step_ms": round(best[str(i)] * 1e3, 2),
+                         "overhead": round(best[str(i)] / best["none"] - 1.0, 4)}
+          for i in intervals}}
+    finally:
+      shutil.rmtree(d, ignore_errors=True)
+  return out
+
+
+def orbax(state: Any, repeats: int, snapstore_restore_s: float) -> dict[str, Any]:
+  """Orbax's StandardCheckpointer on a local directory, the same state."""
+  import jax
+  import orbax.checkpoint as ocp
+  d = tempfile.mkdtemp(prefix="snapstore-dc-orbax-")
+  try:
+    ckpt = ocp.StandardCheckpointer()
+    saves, restores = [], []
+    for i in range(repeats):
       t = time.perf_counter()
-      mgr.save(1, state)
-      mgr.wait_until_finished()
-      save_s = time.perf_counter() - t
+      ckpt.save(os.path.join(d, str(i)), state)
+      ckpt.wait_until_finished()
+      saves.append(time.perf_counter() - t)
+    for i in range(repeats):
       t = time.perf_counter()
-      r = mgr.restore(jax.tree.map(lambda v: v, state))
-      jax.block_until_ready(r.state)
-      restore_s = time.perf_counter() - t
-      same = bool(np.array_equal(np.asarray(r.state["w"]), np.asarray(x)))
-  out["snapshot"] = {"save_gbps": _gbps(x.nbytes, save_s),
-                     "restore_gbps": _gbps(x.nbytes, restore_s), "bitwise_equal": same}
+      got = ckpt.restore(os.path.join(d, str(i)), _abstract(state))
+      jax.block_until_ready(got)
+      restores.append(time.perf_counter() - t)
+    ckpt.close()
+    return {"dir": d, "save_s": round(min(saves), 4), "restore_s": round(min(restores), 4),
+            "bitwise_equal": _equal(got, state),
+            "pinned_restore_over_orbax": round(snapstore_restore_s / min(restores), 4)}
+  finally:
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def recovery_check() -> dict[str, Any]:
+  """A recoverable one-process job on GPU: the flags and the InPlace loop run."""
+  import jax
+
+  from snapstore import recovery
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -96,16 +280,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     while steps < 3:
       try:
         with job.live() as devices:
-          y = step_fn(jax.device_put(np.ones(4, np.float32), devices[0]))
-          y.block_until_ready()
+          step_fn(jax.device_put(np.ones(4, np.float32), devices[0])).block_until_ready()
         steps += 1
       except job.FAILURES as e:
         job.failed(e)
-    out["recovery"] = {"steps": steps, "generation": job.generation,
-                       "unsupported": recovery.unsupported()}
+    out = {"steps": steps, "generation": job.generation,
+           "unsupported": recovery.unsupported()}
     job.close()
+    return out
   finally:
     service.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="benchmarks.device_check", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--mb", type=int, default=1024, help="capture: one leaf of this size")
+  p.add_argument("--state-mb", type=int, default=2048, help="stores, overhead, orbax")
+  p.add_argument("--step-ms", type=float, default=200.0)
+  p.add_argument("--intervals", type=int, nargs="+", default=[1, 3, 10])
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--rounds", type=int, default=2)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--sections", nargs="+", default=["capture", "stores", "overhead"],
+                 choices=["capture", "stores", "overhead"],
+                 help="stores includes the Orbax comparison")
+  p.add_argument("--cpu", action="store_true",
+                 help="run on the CPU anyway: a smoke test of this script, not a measurement")
+  a = p.parse_args(argv)
+  gpu = "cuda" in os.environ.get("JAX_PLATFORMS", "") or shutil.which("nvidia-smi")
+  if gpu:
+    from snapstore import recovery
+    recovery.set_flags()  # before the backend starts
+  import jax
+  if jax.default_backend() == "cpu" and not a.cpu:
+    print(json.dumps({"skipped": "no accelerator: JAX's backend is the CPU"}))
+    return 0
+  import snapstore._checksum as cs
+  out: dict[str, Any] = {
+      "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+      "fused_copy": cs.FUSED, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  if "capture" in a.sections:
+    out["capture"] = capture(a.mb, a.repeats)
+  if "stores" in a.sections:
+    state = make_state(a.state_mb)
+    out["stores"] = stores(state, a.repeats)
+    out["orbax"] = orbax(state, a.repeats, out["stores"]["pinned_device_sum"]["restore_s"])
+    del state
+  if "overhead" in a.sections:
+    out["overhead"] = overhead(a.state_mb, a.step_ms, a.intervals, a.steps, a.rounds)
+  if gpu:
+    out["recovery"] = recovery_check()
   print(json.dumps(out, indent=2))
   return 0
 
