@@ -23,7 +23,6 @@ import jax
 
 from . import _arena, _backends, _interval, _planner, _switch, errors
 from ._arena import ArenaCache
-from ._staging import Stager
 from ._tree import LeafSpec
 from .metrics import SaveMetrics
 from .options import BusyPolicy, FailurePolicy, SnapshotOptions
@@ -44,7 +43,6 @@ class Saver:
     self.drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
     self.prefaulting: threading.Thread | None = None
     self._failures_logged: set[str] = set()  # RAM-tier failure kinds logged once
-    self.stager = Stager(options.stage_on_device)
     self.prefault_ahead()  # a store that holds a snapshot: a restore may come first
 
   def running(self) -> bool:
@@ -109,8 +107,7 @@ class Saver:
     copies = self.options.copies
     try:
       with _switch.collections_paused(self.options.pause_gc):
-        staged, self.metrics.staged_bytes = self.stager.stage(leaves)
-        return self.backend.capture(header, specs, staged, replicas=copies if travel else 0)
+        return self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
     except RuntimeError as e:
       gone = [s.path for s, x in zip(specs, leaves, strict=True)
               if isinstance(x, jax.Array) and x.is_deleted()]

@@ -32,7 +32,6 @@ class SaveMetrics:
   interval: int = 1              # the snapshot interval in force (``"auto"``: chosen)
   interval_reason: str = "fixed"
   first_touch_seconds: float = 0.0  # drains' time faulting fresh memory in (first use)
-  staged_bytes: int = 0          # last capture's copy in device memory, per device (0: none)
   store_failures: int = 0        # saves the RAM tier failed (FailurePolicy.CONTINUE)
   last_store_failure: str = ""   # the last one's error
 

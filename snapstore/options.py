@@ -171,14 +171,6 @@ class SnapshotOptions:
       own share of the state in resident memory. ``False``: memory is taken
       when a restore needs it, and an idle one is handed to the kernel as
       free-when-needed (``MADV_FREE``).
-    stage_on_device: copy the state's buffers once in device memory and
-      capture that copy, so the next step, which donates the state, need not
-      wait for the copy to host memory (``_staging``). It costs a copy of
-      this host's shards in device memory while a snapshot is captured; a
-      staging allocation that fails falls back to the direct copy. On a TPU
-      v5e with the pinned-host store it halved the step-time cost of a
-      snapshot every 3 steps (docs/benchmarks.md); on CPU devices it is only
-      an extra host copy.
     incarnation: this job's incarnation (restart count); ``None`` takes
       ``$SNAPSTORE_INCARNATION`` (set by ``snapstore launch``), else one more
       than the newest in the stores (agreed across hosts).
@@ -203,7 +195,6 @@ class SnapshotOptions:
   drain_switch_interval_s: float | None = 0.0005
   pause_gc: bool = True
   prefault_restore: bool = True
-  stage_on_device: bool = False
 
   def __post_init__(self):
     if not isinstance(self.interval, (Every, AutoInterval)):
@@ -226,7 +217,7 @@ class SnapshotOptions:
     _int_option("replica_interval", self.replica_interval, 1)
     if self.hosts_per_domain is not None:
       _int_option("hosts_per_domain", self.hosts_per_domain, 1, "or None")
-    for name in ("pause_gc", "prefault_restore", "stage_on_device"):
+    for name in ("pause_gc", "prefault_restore"):
       if type(getattr(self, name)) is not bool:
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.drain_switch_interval_s is not None and not (

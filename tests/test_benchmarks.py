@@ -11,6 +11,7 @@ from benchmarks import (
   checksum,
   cold,
   demo_overhead,
+  device_check,
   goodput,
   multihost,
   overhead,
@@ -55,6 +56,19 @@ def test_capture_benchmark_smoke(tmp_path, capsys):
                                "restore_vs_memcpy", "step_s_plain", "step_s_snapshot")))
   assert math.isfinite(row["step_overhead"])
   assert json.loads(capsys.readouterr().out)["sizes"][0]["state_mb"] == row["state_mb"]
+
+
+def test_device_check_runs_every_section_on_cpu_devices_bitwise(capsys):
+  assert device_check.main(["--cpu", "--mb", "8", "--state-mb", "8", "--step-ms", "1",
+                            "--steps", "2", "--rounds", "1", "--intervals", "1",
+                            "--repeats", "1", "--stores", "pinned_device_sum"]) == 0
+  result = json.loads(capsys.readouterr().out)
+  for kind in device_check.STORES:
+    assert result["stores"][kind]["bitwise_equal"] and result["stores"][kind]["restored_step"] == 1
+  assert result["orbax"]["bitwise_equal"]
+  _positive(result["capture"]["device_get_gbps"], result["capture"]["device_to_pinned_host_gbps"],
+            result["overhead"]["pinned_device_sum"]["every_1"]["step_ms"])
+  assert list(result["overhead"]) == ["state_mb", "iters", "steps_a_loop", "pinned_device_sum"]
 
 
 def test_checksum_benchmark_smoke(tmp_path):
