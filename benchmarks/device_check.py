@@ -1,7 +1,7 @@
 """The checks a CPU cannot make, as one command for a GPU or TPU machine.
 
 ``python -m benchmarks.device_check [--mb 1024] [--state-mb 2048]`` prints
-JSON, every figure of one run:
+JSON and writes ``--out``, every figure of one run:
 
 * ``capture``: device -> ``pinned_host`` throughput (``jax.device_put`` onto
   the same sharding with ``memory_kind="pinned_host"``, what the pinned-host
@@ -30,20 +30,19 @@ runs it anyway, as a smoke test of the script).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from benchmarks._common import cleanup, emit, ram_dir
+
 STORES = {"host_files": ("HOST_FILES", "auto"), "pinned_device_sum": ("PINNED_HOST", "device"),
           "pinned_crc32c": ("PINNED_HOST", "host")}
-
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -58,10 +57,6 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
     jax.block_until_ready(fn())
     best = min(best, time.perf_counter() - t)
   return best
-
-
-def _tmp_root() -> str | None:
-  return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def _fresh_get(x: Any, repeats: int) -> float:
@@ -125,9 +120,13 @@ def _abstract(state: Any) -> Any:
 
 
 def _equal(a: Any, b: Any) -> bool:
-  import jax
-  return all(np.array_equal(np.asarray(x), np.asarray(y))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+  """Same structure, dtypes and bytes (:func:`snapstore.testing.checks.assert_bitwise_equal`)."""
+  from snapstore.testing.checks import assert_bitwise_equal
+  try:
+    assert_bitwise_equal(a, b)
+  except AssertionError:
+    return False
+  return True
 
 
 def stores(state: Any, repeats: int) -> dict[str, Any]:
@@ -136,9 +135,9 @@ def stores(state: Any, repeats: int) -> dict[str, Any]:
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   out: dict[str, Any] = {"state_mb": nbytes >> 20}
   for kind in STORES:
-    d = tempfile.mkdtemp(prefix="snapstore-dc-", dir=_tmp_root())
+    d = ram_dir("snapstore-dc-")
     try:
-      with manager(kind, d) as mgr:
+      with manager(kind, str(d)) as mgr:
         t = time.perf_counter()
         mgr.save(0, state, force=True)
         mgr.wait_until_finished()
@@ -165,7 +164,7 @@ def stores(state: Any, repeats: int) -> dict[str, Any]:
             "restore_gbps": _gbps(nbytes, min(restores)),
             "restored_step": r.step, "bitwise_equal": _equal(r.state, state)}
     finally:
-      shutil.rmtree(d, ignore_errors=True)
+      cleanup(d)
   return out
 
 
@@ -203,9 +202,9 @@ def overhead(state_mb: int, step_ms: float, intervals: Sequence[int], steps: int
   fn, x, iters = train_step(jax.tree.map(lambda a: a.copy(), state), step_ms)
   out: dict[str, Any] = {"state_mb": state_mb, "iters": iters, "steps_a_loop": steps}
   for kind in kinds:
-    d = tempfile.mkdtemp(prefix="snapstore-dc-", dir=_tmp_root())
+    d = ram_dir("snapstore-dc-")
     try:
-      with manager(kind, d) as mgr:
+      with manager(kind, str(d)) as mgr:
         step = 0
 
         def loop(interval: int | None) -> float:
@@ -231,7 +230,7 @@ def overhead(state_mb: int, step_ms: float, intervals: Sequence[int], steps: int
                          "overhead": round(best[str(i)] / best["none"] - 1.0, 4)}
           for i in intervals}}
     finally:
-      shutil.rmtree(d, ignore_errors=True)
+      cleanup(d)
   return out
 
 
@@ -242,26 +241,26 @@ def orbax(state: Any, repeats: int, snapstore_restore_s: float) -> dict[str, Any
     import orbax.checkpoint as ocp
   except ImportError as e:
     return {"skipped": f"no Orbax: {e}"}
-  d = tempfile.mkdtemp(prefix="snapstore-dc-orbax-")
+  d = ram_dir("snapstore-dc-orbax-")
   try:
     ckpt = ocp.StandardCheckpointer()
     saves, restores = [], []
     for i in range(repeats):
       t = time.perf_counter()
-      ckpt.save(os.path.join(d, str(i)), state)
+      ckpt.save(d / str(i), state)
       ckpt.wait_until_finished()
       saves.append(time.perf_counter() - t)
     for i in range(repeats):
       t = time.perf_counter()
-      got = ckpt.restore(os.path.join(d, str(i)), _abstract(state))
+      got = ckpt.restore(d / str(i), _abstract(state))
       jax.block_until_ready(got)
       restores.append(time.perf_counter() - t)
     ckpt.close()
-    return {"dir": d, "save_s": round(min(saves), 4), "restore_s": round(min(restores), 4),
+    return {"dir": str(d), "save_s": round(min(saves), 4), "restore_s": round(min(restores), 4),
             "bitwise_equal": _equal(got, state),
             "pinned_restore_over_orbax": round(snapstore_restore_s / min(restores), 4)}
   finally:
-    shutil.rmtree(d, ignore_errors=True)
+    cleanup(d)
 
 
 def recovery_check() -> dict[str, Any]:
@@ -308,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--sections", nargs="+", default=["capture", "stores", "overhead"],
                  choices=["capture", "stores", "overhead"],
                  help="stores includes the Orbax comparison")
+  p.add_argument("--out", default="bench-results/device_check.json")
   p.add_argument("--cpu", action="store_true",
                  help="run on the CPU anyway: a smoke test of this script, not a measurement")
   a = p.parse_args(argv)
@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     recovery.set_flags()  # before the backend starts
   import jax
   if jax.default_backend() == "cpu" and not a.cpu:
-    print(json.dumps({"skipped": "no accelerator: JAX's backend is the CPU"}))
+    emit("device_check", {"skipped": "no accelerator: JAX's backend is the CPU"}, a.out)
     return 0
   import snapstore._checksum as cs
   out: dict[str, Any] = {
@@ -335,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                a.stores)
   if gpu:
     out["recovery"] = recovery_check()
-  print(json.dumps(out, indent=2))
+  emit("device_check", out, a.out)
   return 0
 
 

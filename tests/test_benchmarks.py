@@ -58,11 +58,11 @@ def test_capture_benchmark_smoke(tmp_path, capsys):
   assert json.loads(capsys.readouterr().out)["sizes"][0]["state_mb"] == row["state_mb"]
 
 
-def test_device_check_runs_every_section_on_cpu_devices_bitwise(capsys):
-  assert device_check.main(["--cpu", "--mb", "8", "--state-mb", "8", "--step-ms", "1",
-                            "--steps", "2", "--rounds", "1", "--intervals", "1",
-                            "--repeats", "1", "--stores", "pinned_device_sum"]) == 0
-  result = json.loads(capsys.readouterr().out)
+def test_device_check_runs_every_section_on_cpu_devices_bitwise(tmp_path):
+  result = _run(device_check, ["--cpu", "--mb", "8", "--state-mb", "8", "--step-ms", "1",
+                               "--steps", "2", "--rounds", "1", "--intervals", "1",
+                               "--repeats", "1", "--stores", "pinned_device_sum"],
+                tmp_path / "device_check.json")
   for kind in device_check.STORES:
     assert result["stores"][kind]["bitwise_equal"] and result["stores"][kind]["restored_step"] == 1
   assert result["orbax"]["bitwise_equal"]
