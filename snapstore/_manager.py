@@ -25,7 +25,7 @@ from ._arena import ArenaCache
 from ._manifest import check_extra
 from ._persistent import OrbaxTier
 from ._tree import flatten, tree_digest
-from .metrics import RestoreResult, SaveMetrics
+from .metrics import RestoreResult, SaveMetrics, Source
 from .options import MAX_INT, SnapshotOptions, StoreKind
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class SnapshotManager:
     self.metrics.interval, self.metrics.interval_reason = (self._schedule.interval,
                                                            self._schedule.reason)
     self._saver = _save.Saver(self._backend, self.options, self.metrics, self._schedule,
-                              self._arenas)
+                              self._arenas, self._peers.reduce_min)
     self._closed = False
 
   # ------------------------------------------------------------------ save
@@ -196,7 +196,10 @@ class SnapshotManager:
     if step is not None and (type(step) is not int or not 0 <= step <= MAX_INT):
       raise TypeError(f"step must be an int in [0, 2**48] or None, got {step!r}")
     self._lineage_step = None  # a restore starts a new lineage (the result sets its step)
-    return _restore.Restore(self, abstract_state, step, self._settle_inflight()).run()
+    result = _restore.Restore(self, abstract_state, step, self._settle_inflight()).run()
+    # every host restored this step: the stores keep it until a newer one is agreed
+    self._saver.watermark = result.step if result.source is Source.SNAPSHOT else None
+    return result
 
   def _settle_inflight(self) -> list[str]:
     """Waits for the snapshot in flight; a failed one is noted, not raised."""

@@ -190,6 +190,9 @@ class Manifest:
   extra: Any = None
   created: float = 0.0
   parity: tuple[ParityRecord, ...] = ()
+  # the job's retention watermark agreed at this step's capture (-1: none;
+  # :mod:`._watermark`): the store keeps that step until a newer one is agreed
+  watermark: int = -1
 
   def __post_init__(self) -> None:
     if not isinstance(self.pieces, PieceTable):  # kept as rows (see PieceTable)
@@ -207,6 +210,7 @@ def encode(m: Manifest) -> bytes:
       "run_id": m.run_id, "incarnation": m.incarnation, "step": m.step,
       "host": m.store, "num_hosts": m.num_hosts, "tree_digest": m.tree_digest,
       "slot": m.slot, "chunk_bytes": m.chunk_bytes, "created": m.created,
+      "watermark": m.watermark,
       "leaves": [spec_row(s) for s in m.leaves],
       "pieces": m.pieces.rows,  # msgpack writes tuples as arrays, as _piece_row's lists
       "scalars": [[k, v] for k, v in sorted(m.scalars.items())],
@@ -343,13 +347,17 @@ def _from_doc(doc: Any) -> Manifest:
   created = doc.get("created", 0.0)
   if type(created) not in (int, float):
     raise TypeError("created is not a number")
+  watermark = doc.get("watermark", -1)  # (absent before 0.x: none)
+  if watermark != -1:
+    watermark = _int(watermark)
   return Manifest(
       run_id=_str(doc["run_id"]), incarnation=_int(doc["incarnation"]),
       step=_int(doc["step"]), store=_int(doc["host"]),
       num_hosts=_int(doc["num_hosts"], 1), tree_digest=_str(doc["tree_digest"]),
       slot=_int(doc["slot"]), chunk_bytes=_int(doc["chunk_bytes"], 1),
       leaves=leaves, pieces=PieceTable(pieces), scalars=scalars,
-      extra=doc.get("extra"), created=float(created), parity=tuple(parity))
+      extra=doc.get("extra"), created=float(created), parity=tuple(parity),
+      watermark=watermark)
 
 
 def validate(m: Manifest) -> None:
@@ -357,6 +365,8 @@ def validate(m: Manifest) -> None:
   sets and matching the tree digest, every scalar leaf's value present once,
   pieces inside their leaf, sized right, with checksums of the right shape,
   and no two pieces of a leaf overlapping. Raises ValueError/TypeError."""
+  if not -1 <= m.watermark <= m.step:
+    raise ValueError(f"watermark {m.watermark} is not -1 or a step up to {m.step}")
   paths = [s.path for s in m.leaves]
   if len(set(paths)) != len(paths):
     raise ValueError("two leaves share a path")

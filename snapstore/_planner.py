@@ -260,25 +260,40 @@ def own_bytes(manifests: Sequence[Manifest]) -> int:
 
 
 # ---------------------------------------------------------------- retention
+def watermark_of(manifests: Sequence[Manifest]) -> int | None:
+  """The job's retention watermark as this store knows it: what its newest
+  manifest names (:mod:`._watermark`), if this store holds that step;
+  else None."""
+  valid = fence(manifests)
+  if not valid:
+    return None
+  newest = max(valid, key=lambda m: (m.step, m.incarnation))
+  w = newest.watermark
+  return w if w >= 0 and any(m.step == w for m in valid) else None
+
+
 def retention(manifests: Sequence[Manifest], keep: int,
               carries: Callable[[int], bool] | None = None) -> list[tuple[Manifest, str]]:
   """The manifests of one store to delete, and why: those a newer
-  incarnation superseded, then all but ``keep`` valid ones: the newest, and
-  the newest of the rest, those whose step ``carries`` replicas (or parity;
-  ``SnapshotOptions.carries_replicas``, alike for every store) first. With
-  replicas on every other snapshot, the newest that carries them can be
-  incomplete for the job (a peer died during its transfer) although this
-  store's copy committed; the carrier before it is
-  then the newest step whose every piece survives, and a snapshot without
-  replicas would not be, once its host's store is lost. A pure function of
-  the manifests; the store applies it."""
+  incarnation superseded, then all but ``keep`` valid ones (the newest, and
+  the newest of the rest, those whose step ``carries`` replicas, or parity,
+  first) and the job's watermark (:func:`watermark_of`: the newest step
+  every store held when this store last saved, kept until a newer one is
+  agreed, past ``keep`` if need be). With replicas on every other snapshot,
+  the newest that carries them can be incomplete for the job (a peer died
+  during its transfer) although this store's copy committed; the carrier
+  before it is then the newest step whose every piece survives. A pure
+  function of the manifests; the store applies it."""
   valid = sorted(fence(manifests), key=lambda m: m.step)
   out = [(m, "superseded by a newer incarnation") for m in manifests if m not in valid]
   if len(valid) > keep:
+    mark = watermark_of(valid)
     rest = sorted(valid[:-1], key=lambda m: (carries is not None and carries(m.step), m.step),
                   reverse=True)
-    kept = {id(valid[-1])} | {id(m) for m in rest[:keep - 1]}
-    out += [(m, f"retention keeps {keep}") for m in valid if id(m) not in kept]
+    kept = ({id(valid[-1])} | {id(m) for m in rest[:keep - 1]}
+            | {id(m) for m in valid if m.step == mark})
+    out += [(m, f"retention keeps {keep} and the job's watermark (step {mark})")
+            for m in valid if id(m) not in kept]
   return out
 
 
@@ -286,8 +301,11 @@ def slot_count(snapshot_bytes: int, *, keep: int, budget_bytes: int | None,
                where: str) -> int:
   """How many snapshots of ``snapshot_bytes`` one store may hold at once:
   ``min(keep + 1, budget // size)``; one is written while the newest
-  complete ones stay readable. Raises BudgetExceededError if the budget
-  cannot hold two."""
+  complete ones stay readable. The job's watermark (:mod:`._watermark`)
+  takes no slot of its own: it is one of the newest while saves succeed,
+  and while a newer step is not complete on every store it is kept in
+  place of the oldest newer one (:func:`evictable`). Raises
+  BudgetExceededError if the budget cannot hold two."""
   want = keep + 1
   if budget_bytes is None:
     return want
@@ -301,13 +319,24 @@ def slot_count(snapshot_bytes: int, *, keep: int, budget_bytes: int | None,
   return min(want, fit)
 
 
-def free_slot(manifests: Sequence[Manifest], num_slots: int) -> tuple[int, Manifest | None]:
-  """A slot that no valid manifest of one store uses, or else the oldest
-  valid manifest's slot with that manifest (the caller evicts it first)."""
+def evictable(valid: Sequence[Manifest], watermark: int | None) -> list[Manifest]:
+  """The valid manifests of one store that a new snapshot may evict, oldest
+  first: all but the job's ``watermark`` step (None: all but the newest)."""
+  by_step = sorted(valid, key=lambda m: m.step)
+  if watermark is None or not any(m.step == watermark for m in by_step):
+    return by_step[:-1]
+  return [m for m in by_step if m.step != watermark]
+
+
+def free_slot(manifests: Sequence[Manifest], num_slots: int,
+              watermark: int | None = None) -> tuple[int, Manifest | None]:
+  """A slot that no valid manifest of one store uses, or else the slot of the
+  oldest valid manifest :func:`evictable` allows, with that manifest (the
+  caller evicts it first)."""
   valid = fence(manifests)
   used = {m.slot for m in valid}
   for i in range(num_slots):
     if i not in used:
       return i, None
-  oldest = min(valid, key=lambda m: m.step)
+  oldest = evictable(valid, watermark)[0]
   return oldest.slot, oldest

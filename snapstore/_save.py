@@ -12,16 +12,18 @@ restore of the newest snapshot would copy into (``prefault_restore``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
 import jax
+import numpy as np
 
-from . import _arena, _backends, _interval, _planner, _switch, errors
+from . import _arena, _backends, _interval, _planner, _switch, _watermark, errors
 from ._arena import ArenaCache
 from ._tree import LeafSpec
 from .metrics import SaveMetrics
@@ -31,13 +33,20 @@ logger = logging.getLogger(__name__)
 
 
 class Saver:
-  """Captures and drains snapshots into ``backend``, counting in ``metrics``."""
+  """Captures and drains snapshots into ``backend``, counting in ``metrics``.
+  ``reduce_min``: the element-wise minimum over the job's hosts of an int32
+  vector (collective; on one process, the vector itself): the job agrees on
+  its retention watermark with it at every capture (:mod:`._watermark`)."""
 
   def __init__(self, backend: _backends.Backend, options: SnapshotOptions,
                metrics: SaveMetrics, schedule: _interval.Schedule,
-               arenas: ArenaCache) -> None:
+               arenas: ArenaCache,
+               reduce_min: Callable[[np.ndarray], np.ndarray] = lambda v: v) -> None:
     self.backend, self.options, self.metrics = backend, options, metrics
     self.schedule, self.arenas = schedule, arenas
+    self.reduce_min = reduce_min
+    # the newest step every store held at the last agreement (None: none yet)
+    self.watermark: int | None = None
     self.inflight: futures.Future[None] | None = None
     self.done_at = 0.0  # when the last drain finished (the schedule's clock)
     self.drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
@@ -105,6 +114,7 @@ class Saver:
     # (mismatched collectives: gloo aborts the process on the size mismatch).
     travel = self.options.carries_replicas(step)
     copies = self.options.copies
+    header = dataclasses.replace(header, watermark=self._agree(step))
     try:
       with _switch.collections_paused(self.options.pause_gc):
         return self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
@@ -118,6 +128,27 @@ class Saver:
           f"step {step}: leaf {gone[0]!r}{more} was deleted, e.g. donated to a jitted step "
           "that has run since: save the state a step returns before passing it to the next "
           "one. Nothing of this step was saved.") from e
+
+  def _agree(self, step: int) -> int:
+    """The job's retention watermark at the capture of ``step`` (-1: none),
+    learned from every store's record (:mod:`._watermark`) before anything
+    is evicted. Collective. Raises StoreError if the hosts cannot agree
+    (a peer died): then nothing is deleted and this step is not saved."""
+    copies = self.options.copies
+    def protected(s: int) -> bool:  # every piece of it survives a lost domain
+      return copies == 0 or self.options.carries_replicas(s)
+    mine = _watermark.combine(
+        _watermark.record(step, [s for s in held if protected(s)], self.watermark)
+        for held in self.backend.held_steps())
+    try:
+      reduced = self.reduce_min(mine)
+    except jax.errors.JaxRuntimeError as e:
+      raise errors.StoreError(
+          f"step {step}: the hosts could not agree which snapshot every store holds "
+          f"({e}); nothing was deleted and this step has no snapshot") from e
+    self.watermark = _watermark.settle(step, reduced)
+    self.metrics.watermark = -1 if self.watermark is None else self.watermark
+    return self.metrics.watermark
 
   def store_failed(self, step: int, e: BaseException) -> None:
     """A RAM-tier failure under ``FailurePolicy.CONTINUE``: counted, logged

@@ -34,6 +34,7 @@ class SaveMetrics:
   first_touch_seconds: float = 0.0  # drains' time faulting fresh memory in (first use)
   store_failures: int = 0        # saves the RAM tier failed (FailurePolicy.CONTINUE)
   last_store_failure: str = ""   # the last one's error
+  watermark: int = -1            # the newest step every store held at the last agreement
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -44,10 +44,10 @@ class MemoryStore(ProgressInMemory):
     self.slots: dict[int, np.ndarray] = {}
     self._manifests: dict[tuple[int, int], Manifest] = {}
 
-  def reserve(self, step: int, nbytes: int) -> int:
+  def reserve(self, step: int, nbytes: int, watermark: int | None = None) -> int:
     self.num_slots = _planner.slot_count(nbytes, keep=self.keep, budget_bytes=self.budget_bytes,
                                          where=f"memory store {self.host}")
-    slot, evict = _planner.free_slot(self.manifests(), self.num_slots)
+    slot, evict = _planner.free_slot(self.manifests(), self.num_slots, watermark)
     if evict is not None:
       self.delete(evict, f"evicted to free a slot for step {step}")
     for m in [m for m in self._manifests.values() if m.slot == slot]:
@@ -112,7 +112,8 @@ class MemoryBackend(DomainStores):
     caps = capture_by_domain(specs, leaves, replicas=replicas, step=header.step,
                              domain_of={d: k for d, k in self._domain_of.items() if k in up})
     return _Pending(header, [(self.stores[k], cap, self.stores[k].reserve(header.step,
-                                                                           cap.nbytes))
+                                                                           cap.nbytes,
+                                                                           header.kept_step))
                              for k, cap in caps.items()])
 
   def drain(self, pending: _Pending) -> int:

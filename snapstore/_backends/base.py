@@ -49,6 +49,13 @@ class Header:
   chunk_bytes: int
   leaves: tuple[LeafSpec, ...]
   extra: Any
+  # the job's retention watermark (:mod:`.._watermark`), agreed at capture
+  watermark: int = -1
+
+  @property
+  def kept_step(self) -> int | None:
+    """The step a new snapshot must not evict (None: the store's newest)."""
+    return self.watermark if self.watermark >= 0 else None
 
   def fields(self) -> dict[str, Any]:
     """The fields as keyword arguments of ``Manifest`` (shallow)."""
@@ -108,6 +115,11 @@ class Backend(PieceSource, Protocol[PendingT]):
   def manifests(self) -> list[Manifest]:
     """Every manifest of this run in the stores held, oldest first."""
 
+  def held_steps(self) -> list[list[int]]:
+    """Per store that snapshots go to now, the steps it holds complete
+    (valid, not superseded): what the job's retention watermark is agreed
+    from (:mod:`.._watermark`). Training thread."""
+
   def forget_domains(self, domains: Sequence[int], reason: str) -> None:
     """The host memory of ``domains`` is gone: drop what their stores held
     and stop writing to them."""
@@ -131,8 +143,9 @@ class ProgressInMemory:
 
 
 def retain(store: Store, keep: int, carries: Callable[[int], bool] | None = None) -> None:
-  """Applies :func:`._planner.retention` to one store (at most ``num_slots
-  - 1`` kept, so one slot stays free for the next snapshot)."""
+  """Applies :func:`._planner.retention` to one store: the newest ``keep``
+  and the job's watermark (the newest manifest names it), and one slot free
+  for the next snapshot."""
   keep = min(keep, max(store.num_slots - 1, 1))
   for m, why in _planner.retention(store.manifests(), keep, carries):
     store.delete(m, why)
@@ -172,6 +185,11 @@ class DomainStores:
     never restored)."""
     return [m for st in self.stores.values() for m in st.manifests()
             if m.run_id == self.run_id]
+
+  def held_steps(self) -> list[list[int]]:
+    return [sorted({m.step for m in _planner.fence(
+                        [m for m in self.stores[k].manifests() if m.run_id == self.run_id])})
+            for k in self.live()]
 
   def holds(self, store: int) -> bool:
     return store in self.stores

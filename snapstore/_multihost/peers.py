@@ -87,6 +87,10 @@ class Solo:
   def agree_max(self, *values: int) -> tuple[int, ...]:
     return values
 
+  def reduce_min(self, values: np.ndarray) -> np.ndarray:
+    """The element-wise minimum over the job's hosts: here, ``values``."""
+    return values
+
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
     _faults.point("restore", assembler.plan.step)
@@ -244,6 +248,10 @@ class Distributed:
   def agree_max(self, *values: int) -> tuple[int, ...]:
     """The maximum of each value over every process."""
     return agree.max64(self.collective, values)
+
+  def reduce_min(self, values: np.ndarray) -> np.ndarray:
+    """The element-wise minimum of an int32 vector over every process."""
+    return self.collective.reduce_min(values)
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:

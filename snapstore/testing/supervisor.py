@@ -177,7 +177,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
            bind_address: str = "127.0.0.1", in_place: bool = False,
            host_service: bool = True, max_replacements: int = 8,
            min_hosts: int | None = None,
-           replacement_delay_s: float = 0.0) -> list[Incarnation]:
+           replacement_delay_s: float = 0.0,
+           teardown_delay_s: float = 0.0) -> list[Incarnation]:
   """Runs ``python -m module args`` on ``num_hosts`` local processes until all
   exit 0, restarting the whole job after a failure.
 
@@ -206,6 +207,10 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   (``Incarnation.unreplaced``); each change of the job's hosts is in
   ``Incarnation.resizes``.
 
+  ``teardown_delay_s`` (a full restart): after a host fails, the others run
+  on this long (or until they exit) before the incarnation is torn down, as
+  under a scheduler that notices a lost host seconds later, not at once.
+
   ``shrink_to`` restarts with fewer hosts (the first ``shrink_to`` stores are
   kept). ``between(inc)`` runs after a failed incarnation, before the next
   (tests use it to damage stores). Raises ``RuntimeError`` if the job still
@@ -216,6 +221,9 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   if min_hosts is not None and not 1 <= min_hosts <= num_hosts:
     raise ValueError(f"min_hosts must be between 1 and num_hosts ({num_hosts}), "
                      f"got {min_hosts}")
+  if not 0.0 <= teardown_delay_s < float("inf"):
+    raise ValueError(f"teardown_delay_s must be a finite number >= 0, "
+                     f"got {teardown_delay_s!r}")
   if not 0.0 <= replacement_delay_s < float("inf"):
     raise ValueError(f"replacement_delay_s must be a finite number >= 0, "
                      f"got {replacement_delay_s!r}")
@@ -225,7 +233,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
              [k for k in kills if k.incarnation is None],  # fired in any incarnation
              time.monotonic() + timeout_s, timeout_s, report_dir,
              Path(log_dir) if log_dir else None, env or {}, bind_address, in_place,
-             host_service, max_replacements, min_hosts, replacement_delay_s)
+             host_service, max_replacements, min_hosts, replacement_delay_s,
+             teardown_delay_s)
   out: list[Incarnation] = []
   hosts = num_hosts
   for number in range(max_incarnations):
@@ -265,6 +274,7 @@ class _Job:
   max_replacements: int
   min_hosts: int | None
   replacement_delay_s: float
+  teardown_delay_s: float = 0.0
 
 
 class Supervisor:
@@ -289,6 +299,7 @@ class Supervisor:
     self.service: Any = None
     self.extra_env: dict[str, str] = {}
     self.failed = False
+    self.failed_at: float | None = None  # time.monotonic() of the first failure
 
   def run(self) -> tuple[Incarnation, bool]:
     """Runs the incarnation; returns it and whether it failed."""
@@ -317,7 +328,11 @@ class Supervisor:
           fence_at = now + FENCE_POLL_S
           _fence(inc, self.procs, self.started, job.report_dir, now)
         self._reap()
-        if self.failed:  # the coordination service would abort the rest: do it now.
+        if self.failed and self.failed_at is None:
+          self.failed_at = time.monotonic()
+        if (self.failed_at is not None
+            and time.monotonic() >= self.failed_at + job.teardown_delay_s):
+          # the coordination service would abort the rest: do it now.
           for h, p in self.procs.items():
             if p.poll() is None:
               p.kill()

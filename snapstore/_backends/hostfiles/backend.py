@@ -119,7 +119,7 @@ class HostFilesBackend(DomainStores):
     jobs = []
     for sid, cap in caps.items():
       store = self.stores[sid]
-      jobs.append((store, cap, store.reserve(header.step, cap.nbytes)))
+      jobs.append((store, cap, store.reserve(header.step, cap.nbytes, header.kept_step)))
     return _Pending(header, jobs)
 
   def drain(self, pending: _Pending) -> int:

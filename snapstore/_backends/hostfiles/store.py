@@ -155,24 +155,25 @@ class HostStore:
         logger.warning("ignoring %s: not a regular file", entry.path)
     return out
 
-  def reserve(self, step: int, snapshot_bytes: int) -> int:
+  def reserve(self, step: int, snapshot_bytes: int, watermark: int | None = None) -> int:
     """A slot of the right size for ``step``'s snapshot (see :meth:`_reserve`);
     an OSError of the store (read-only, gone) is raised as StoreError."""
     try:
-      return self._reserve(step, snapshot_bytes)
+      return self._reserve(step, snapshot_bytes, watermark)
     except errors.SnapstoreError:
       raise
     except OSError as e:
       raise errors.StoreError(f"host {self.host}: cannot write {self.root} ({e}); the "
                               "snapshots already there are untouched") from e
 
-  def _reserve(self, step: int, snapshot_bytes: int) -> int:
+  def _reserve(self, step: int, snapshot_bytes: int, watermark: int | None) -> int:
     """A slot of the right size for ``step``'s snapshot: a free one, else a
     new file; the oldest snapshots are evicted while the store would exceed
-    ``keep + 1`` slots or the byte budget, never the newest complete one.
-    Raises BudgetExceededError (before deleting anything) if the budget
-    cannot hold the newest complete snapshot and this one, StoreError if the
-    store cannot be written."""
+    its slots (:func:`.._planner.slot_count`) or the byte budget, never the
+    job's ``watermark`` step (None: never the newest complete one; see
+    :func:`.._planner.evictable`). Raises BudgetExceededError (before
+    deleting anything) if the budget cannot hold that one and this one,
+    StoreError if the store cannot be written."""
     size = align(max(snapshot_bytes, 1))
     if size <= self._slot_size <= 2 * size:
       # Sizes that alternate (replicas with every other snapshot) share one
@@ -183,20 +184,22 @@ class HostStore:
                                          where=f"the host store of host {self.host}")
     valid = sorted(_planner.fence(self.manifests()), key=lambda m: m.step)
     sizes = self._slot_sizes()
-    used = {m.slot for m in valid}
+    victims = _planner.evictable(valid, watermark)
+    kept = [m for m in valid if m not in victims]
 
     def over() -> bool:
-      kept = sum(sizes.get(m.slot, 0) for m in valid)
+      held = sum(sizes.get(m.slot, 0) for m in valid)
       return len({m.slot for m in valid}) + 1 > self.num_slots or (
-          self.budget_bytes is not None and kept + size > self.budget_bytes)
-    if valid and over() and not self._fits_after_eviction(valid[-1], sizes, size):
+          self.budget_bytes is not None and held + size > self.budget_bytes)
+    if valid and over() and not self._fits_after_eviction(kept, sizes, size):
       raise errors.BudgetExceededError(
           f"host {self.host}: the budget of {self.budget_bytes} bytes cannot hold the "
-          f"newest complete snapshot (step {valid[-1].step}) and one of {size} bytes; "
+          f"snapshot a restore needs (step {kept[0].step}) and one of {size} bytes; "
           "nothing was deleted. Raise budget_bytes.")
-    while valid and over():
-      oldest = valid.pop(0)
-      self.delete(oldest, f"evicted for step {step}")
+    while victims and over():
+      victim = victims.pop(0)
+      valid.remove(victim)
+      self.delete(victim, f"evicted for step {step}")
     used = {m.slot for m in valid}
     for m in self.manifests():  # stale manifests naming a slot we may reuse
       if m.slot not in used:
@@ -213,10 +216,11 @@ class HostStore:
       self._create_slot(slot, size)
     return slot
 
-  def _fits_after_eviction(self, newest: Manifest, sizes: dict[int, int], size: int) -> bool:
+  def _fits_after_eviction(self, kept: list[Manifest], sizes: dict[int, int],
+                           size: int) -> bool:
     if self.budget_bytes is None:
       return True
-    return sizes.get(newest.slot, 0) + size <= self.budget_bytes
+    return sum(sizes.get(m.slot, 0) for m in kept) + size <= self.budget_bytes
 
   def _create_slot(self, i: int, size: int) -> None:
     free = shutil.disk_usage(self.root).free

@@ -94,7 +94,7 @@ class PinnedHostBackend(DomainStores):
 
     def make_room(nbytes: Mapping[int, int]) -> None:  # before any copy is made
       for sid, n in nbytes.items():
-        slots[sid] = self.stores[sid].reserve(header.step, n)
+        slots[sid] = self.stores[sid].reserve(header.step, n, header.kept_step)
 
     live = {k: self._slices[k] for k in self.live()}
     stripes = None

@@ -63,10 +63,11 @@ class PinnedHostStore(ProgressInMemory):
   def __repr__(self) -> str:
     return f"pinned_host store of slice {self.host}"
 
-  def reserve(self, step: int, snapshot_bytes: int) -> int:
+  def reserve(self, step: int, snapshot_bytes: int, watermark: int | None = None) -> int:
     """A slot for ``step``'s arrays, its previous contents freed (the oldest
-    snapshot is evicted when none is free). Raises BudgetExceededError
-    before freeing anything if the budget cannot hold two snapshots."""
+    snapshot but the job's ``watermark`` step is evicted when none is free:
+    :func:`..._planner.free_slot`). Raises BudgetExceededError before
+    freeing anything if the budget cannot hold two snapshots."""
     self.num_slots = _planner.slot_count(
         snapshot_bytes, keep=self.keep, budget_bytes=self.budget_bytes,
         where=f"the pinned host memory on slice {self.host}")
@@ -74,7 +75,7 @@ class PinnedHostStore(ProgressInMemory):
       self._drop_slot(slot, "slot count reduced")
     for slot in [s for s in self._memory if s >= self.num_slots]:
       self._memory.pop(slot).release()
-    slot, evict = _planner.free_slot(self.manifests(), self.num_slots)
+    slot, evict = _planner.free_slot(self.manifests(), self.num_slots, watermark)
     if evict is not None:
       self.delete(evict, f"evicted to free a slot for step {step}")
     self._drop_slot(slot, f"slot {slot} reused for step {step}")
