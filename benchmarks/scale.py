@@ -22,6 +22,11 @@ Not simulated: reading the stores and the point-to-point moves themselves
 (their cost is the state bytes a host receives, reported), and JAX's own
 per-collective latency.
 
+Each row also times what every *save* adds at that size: the retention
+watermark's one reduction (:mod:`snapstore._watermark`), built from the
+host's own manifests: ``save_agreement_cpu_s_max`` and its bytes,
+``save_agreement_payload``.
+
 State: a MaxText-like unscanned llama (500 leaves: 165 params, Adam mu/nu,
 step, count, rng, two scalars), every array FSDP-sharded over all 4N devices
 (4 a host), keep=2, one failure domain a host. Cases: ``none`` (nothing
@@ -336,6 +341,18 @@ def restore_decision(coll: SimCollective, layout: Layout, manifests: list[Any]) 
   return out
 
 
+def save_agreement(coll: SimCollective, manifests: list[Any]) -> dict:
+  """What every save runs before it evicts anything (:mod:`snapstore._watermark`):
+  this host's record from its own manifests, one minimum, the watermark."""
+  from snapstore import _watermark
+  t = time.thread_time()
+  now = STEPS[-1] + 1
+  rec = _watermark.record(now, sorted({m.step for m in manifests}), STEPS[0])
+  mark = _watermark.settle(now, coll.reduce_min(rec))
+  return {"cpu_s": time.thread_time() - t, "payload": coll.traffic.received,
+          "watermark": mark}
+
+
 def run_case(n: int, case: str, redundancy: str) -> dict:
   layout = Layout(n)
   parity = redundancy == "parity"
@@ -351,7 +368,11 @@ def run_case(n: int, case: str, redundancy: str) -> dict:
   finally:
     tracemalloc.stop()
   worst = max(results.values(), key=lambda r: r["cpu_s"])
+  saves = lockstep(n, hosts, lambda coll: save_agreement(coll, stores[coll.host]))
   return {"n": n, "case": case, "redundancy": redundancy, "hosts_run": hosts,
+          # every save: the retention watermark's one reduction (before the loss)
+          "save_agreement_cpu_s_max": round(max(r["cpu_s"] for r in saves), 6),
+          "save_agreement_payload": max(r["payload"] for r in saves),
           "verdict": results[hosts[0]]["verdict"],
           "why": results[hosts[0]].get("why"),
           "cpu_s_max": round(worst["cpu_s"], 4),

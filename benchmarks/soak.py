@@ -6,7 +6,7 @@ the demo's model on ``--hosts`` local processes (``snapstore launch``,
 Orbax every 10 steps on a local dir as the fallback). Each incarnation is
 killed once: a host drawn at random, at a phase drawn at random (by the
 supervisor mid-step, or by the process itself inside a snapshot's capture,
-replica transfer or manifest commit, or inside the next incarnation's
+replica transfer, drain or manifest commit, or inside the next incarnation's
 restore), half the time with its RAM store wiped (a replaced machine).
 
 Every incarnation reports the global state's digest at its restored step
@@ -23,8 +23,8 @@ the sources, the partial restores.
 (:mod:`snapstore.recovery`, the supervisor hosting the coordination
 service), and ``--faults`` draws each fault's kind: ``kill`` (a SIGKILL by
 the supervisor a random fraction of a step after the host reports its
-step, or by the process itself inside capture, replica transfer or manifest
-commit), ``stop`` (SIGSTOP, never resumed: the survivors must see it gone
+step, or by the process itself inside capture, replica transfer, drain or
+manifest commit), ``stop`` (SIGSTOP, never resumed: the survivors must see it gone
 and the supervisor fence it) or ``wipe`` (a kill with the host's RAM store
 lost). With probability ``--second-fault``, the replacement is SIGKILLed
 again inside the restore that heals the first fault. One fault every
@@ -49,10 +49,11 @@ from typing import Any
 
 from benchmarks._common import cleanup, demo_job, emit, ram_dir, step_intervals
 
-PHASES = (None, None, "capture", "replica", "manifest", "restore")
+PHASES = (None, None, "capture", "replica", "drain", "manifest", "restore")
 GAP = 3  # steps between kills
 KINDS = ("kill", "stop", "wipe")
-KILL_PHASES = (None, None, "capture", "replica", "manifest")  # in place: where a kill lands
+# in place: where a kill lands
+KILL_PHASES = (None, None, "capture", "replica", "drain", "manifest")
 FIRST = 6  # the first in-place fault's step: the job compiled, snapshots in every store
 ARGS = ["--checkpoint-every", "10", "--hosts-per-domain", "1", "--digest-every-step",
         "--min-step-s", "0.05"]

@@ -9,7 +9,8 @@ Phases: ``step`` (a train step computed and the previous snapshot
 committed, before this step's snapshot; in loops that call it, like
 ``snapstore.integrations.maxtext.train``), ``capture`` (half the leaves
 captured), ``replica`` (a replica transfer dispatched, not awaited),
-``manifest`` (the data and the manifest's temp file written, not renamed),
+``drain`` (the background copy about to start: the step captured, nothing
+of it in the store yet), ``manifest`` (the data and the manifest's temp file written, not renamed),
 ``orbax`` (the step's Orbax save about to begin: the other processes wait
 for this one inside theirs), ``persistent`` (the step's async Orbax save
 dispatched, not committed),
@@ -29,7 +30,8 @@ import sys
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("step", "capture", "replica", "manifest", "orbax", "persistent", "restore")
+PHASES = ("step", "capture", "replica", "drain", "manifest", "orbax", "persistent",
+          "restore")
 ENV = "SNAPSTORE_FAULT"
 
 

@@ -46,11 +46,23 @@ def _verify(root: Path, m: Manifest, pool: futures.Executor) -> str | None:
   return None
 
 
+def _why_kept(step: int, watermark: int | None) -> str:
+  if watermark is None:
+    return "among the newest (keep); no watermark held here"
+  if step == watermark:
+    return "the job's watermark: every store held it at the last agreement"
+  if step > watermark:
+    return "newer than the watermark: kept, not yet known complete on every store"
+  return "among the newest (keep)"
+
+
 def inspect_store(store: os.PathLike[str] | str, *, run_id: str | None = None,
                   verify: bool = False) -> dict[str, Any]:
   """A report of ``<store_dir>/<run_id>`` (or one ``host-<h>`` directory):
-  per manifest its verdict; per incarnation the steps it wrote and whether a
-  newer one superseded them; and the step ``restore`` would choose from
+  per manifest its verdict and why it is kept; per host the job's retention
+  watermark it holds (:mod:`._watermark`); per incarnation the steps it
+  wrote and whether a newer one superseded them; and the step ``restore``
+  would choose from
   these stores (or why none). ``verify`` re-checks every piece's crc32c."""
   root = Path(store)
   hosts = sorted((int(hm[1]), root / e) for e in os.listdir(root)
@@ -76,9 +88,12 @@ def inspect_store(store: os.PathLike[str] | str, *, run_id: str | None = None,
         row["verdict"] = "valid" if why is None else f"invalid: {why}"
         rows.append(row)
   live = set(map(id, _planner.fence(valid)))
+  marks = {h: _planner.watermark_of([m for m in valid if m.store == h]) for h, _ in hosts}
   for row, m in zip([r for r in rows if r["verdict"] == "valid"], valid, strict=True):
     if id(m) not in live:
       row["verdict"] = "superseded: a newer incarnation restarted from an earlier step"
+    else:
+      row["kept"] = _why_kept(m.step, marks.get(m.store))
   lineage: dict[int, dict[str, Any]] = {}
   for m in valid:
     entry = lineage.setdefault(m.incarnation, {"steps": set(), "live_steps": set()})
@@ -90,6 +105,9 @@ def inspect_store(store: os.PathLike[str] | str, *, run_id: str | None = None,
   return {
       "store": str(root), "run_id": run, "hosts": [h for h, _ in hosts],
       "manifests": rows,
+      # per host: the newest step every store held when it last saved (kept
+      # until a newer one is; None: none agreed yet, or not held here)
+      "watermarks": {str(h): w for h, w in marks.items()},
       "lineage": {str(inc): {"steps": sorted(e["steps"]), "live_steps": sorted(e["live_steps"])}
                   for inc, e in sorted(lineage.items())},
       "restore_would_pick": (

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _arena, _backends, _interval, _planner, _switch, _watermark, errors
+from . import _arena, _backends, _faults, _interval, _planner, _switch, _watermark, errors
 from ._arena import ArenaCache
 from ._tree import LeafSpec
 from .metrics import SaveMetrics
@@ -163,6 +163,7 @@ class Saver:
                      "logged once per kind): %s", step, e)
 
   def _drain(self, pending: Any) -> None:
+    _faults.point("drain", pending.header.step)
     t0 = time.perf_counter()
     faulting = _arena.faulting_seconds()
     try:

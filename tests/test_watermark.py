@@ -244,3 +244,26 @@ def test_the_supervisor_refuses_a_negative_teardown_delay():
     launch("x", [], num_hosts=1, devices_per_host=1, store_dir="/tmp/x", run_id="r",
            teardown_delay_s=-1)
   assert np.iinfo(np.int32).max == _watermark.NONE
+
+
+# ---------------------------------------------------------------- one process
+def test_inspect_shows_the_watermark_and_why_each_step_is_kept(store_dir, capsys):
+  """keep=1 on one host: the store holds the newest step and the last one
+  the job agreed on (one slot more than keep, none more than before)."""
+  import jax.numpy as jnp
+
+  import snapstore
+  from snapstore import cli
+  from tests.helpers import only_store, opts
+  with snapstore.SnapshotManager(opts(store_dir, keep=1, run_id="wm")) as mgr:
+    for step in (1, 2, 3):
+      mgr.save(step, {"w": jnp.full((64,), step, jnp.float32)})
+      mgr.wait_until_finished()
+    assert mgr.snapshot_steps() == [2, 3]
+    assert mgr.metrics.watermark == 2
+    assert len(list(only_store(mgr).root.glob("slot-*.bin"))) == 2
+  assert cli.main(["inspect", str(store_dir / "wm")]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["watermarks"] == {"0": 2}
+  kept = {r["step"]: r["kept"] for r in report["manifests"]}
+  assert kept[2].startswith("the job's watermark") and kept[3].startswith("newer"), kept
