@@ -42,6 +42,7 @@ from .._manifest import Manifest, PieceRecord, piece_row, split_parity
 from .._tree import LeafSpec, Piece, filled
 from ..options import SnapshotOptions
 from .base import Header, retain
+from .staging import Parts, Report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +55,9 @@ class Packed:
 
 
 # A piece's bytes: a host view (pinned against donation), a jax.Array read
-# by ``np.asarray`` in the drain (a host copy landing), or its place in a
-# received row.
-Source = np.ndarray | jax.Array | Packed
+# by ``np.asarray`` in the drain (a host copy landing), its place in a
+# received row, or its staged parts (:mod:`.staging`).
+Source = np.ndarray | jax.Array | Packed | Parts
 
 
 @dataclasses.dataclass
@@ -74,6 +75,7 @@ class Capture:
   # (stripe, block) of each parity piece -> (members, layout, length)
   parity: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Any, ...], int]] = \
       dataclasses.field(default_factory=dict)
+  staged: Report = dataclasses.field(default_factory=Report)  # what staging did
 
   @property
   def nbytes(self) -> int:
@@ -138,8 +140,24 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   def copy_small(batch: list[Small]) -> list[int]:
     return copy_crc_gather(dst, batch)  # (one call: no Python a piece in the copy)
 
+  # a chunk of a staged piece: (its parts, at, seed, twin places, which parts)
+  Staged = tuple[Parts, int, int, Sequence[tuple[np.ndarray, int]], range]
+
+  def copy_staged(batch: list[Staged]) -> list[int]:
+    out = []
+    for parts, at, seed, more, ks in batch:
+      crc = seed
+      for k in ks:  # each part read once, as it lands, then dropped
+        a, b = parts.bounds[k], parts.bounds[k + 1]
+        crc = copy_crc(dst[at + a: at + b], parts.take(k),
+                       crc, [buf[t + a: t + b] for buf, t in more])
+      out.append(crc)
+    return out
+
   chunks: list[Chunk] = []
   per_piece: list[tuple[int, int]] = []  # (which piece, its chunks) of each big piece
+  staged: list[Staged] = []
+  per_staged: list[tuple[int, int]] = []  # (which piece, its chunks) of each staged one
   smalls: list[Small] = []
   small_at: list[int] = []  # which piece each small one is
   rows: dict[int, np.ndarray] = {}  # id(row) -> its bytes (the drain waits for the move)
@@ -154,6 +172,14 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
       if row is None:
         row = rows[id(source.row)] = np.asarray(source.row)
       src = row[source.start:source.start + piece.nbytes]
+    elif isinstance(source, Parts) and len(source.arrays) > 1:
+      path = specs[piece.leaf].path
+      cuts = _staged_chunks(source, path, piece, chunk_bytes)
+      staged.extend([(source, at, seed, more, ks) for ks, seed in cuts])
+      per_staged.append((j, len(cuts)))
+      continue
+    elif isinstance(source, Parts):
+      src = source.take(0)
     else:
       src = _bytes_of(source)
     n = piece.nbytes
@@ -171,6 +197,9 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   # (twins are written too).
   running = [pool.submit(copy_chunks, b) for b in
              filled(chunks, [(c[3] - c[2]) * (1 + len(c[5])) for c in chunks], chunk_bytes)]
+  landing = [pool.submit(copy_staged, b) for b in filled(
+      staged, [(c[0].bounds[c[4][-1] + 1] - c[0].bounds[c[4][0]]) * (1 + len(c[3]))
+               for c in staged], chunk_bytes)]
   # Small pieces: half their tasks on the pool, half on this thread (two
   # threads overlap one's copies, which release the GIL above 16 KiB, with
   # the other's Python).
@@ -189,8 +218,31 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   for j, n in per_piece:
     crcs[j] = tuple(flat[at:at + n])
     at += n
+  flat = [crc for f in landing for crc in f.result()]
+  at = 0
+  for j, n in per_staged:
+    crcs[j] = tuple(flat[at:at + n])
+    at += n
   cap.release()
   return crcs
+
+
+def _staged_chunks(parts: Parts, path: str, piece: Piece, chunk_bytes: int
+                   ) -> list[tuple[range, int]]:
+  """(its parts, crc32c seed) of each ``chunk_bytes`` chunk of a staged
+  piece: the parts must tile the piece and end on every chunk's bounds."""
+  n = piece.nbytes
+  if parts.bounds[0] != 0 or parts.bounds[-1] != n:
+    raise ValueError(f"staged parts of leaf {path!r} span {parts.bounds[0]}:"
+                     f"{parts.bounds[-1]}, expected 0:{n}")
+  at = {b: k for k, b in enumerate(parts.bounds)}
+  out = []
+  for a, b, seed in _chunks_of(path, piece.index, n, chunk_bytes):
+    ka, kb = at.get(a), at.get(b)
+    if ka is None or kb is None or kb <= ka:
+      raise ValueError(f"staged parts of leaf {path!r} straddle its chunk {a}:{b}")
+    out.append((range(ka, kb), seed))
+  return out
 
 
 def drain_domains(caps: Mapping[int, Capture], bufs: Mapping[int, np.ndarray],
