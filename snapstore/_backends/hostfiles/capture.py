@@ -214,6 +214,13 @@ def _on_cpu(sharding: jax.sharding.Sharding) -> bool:
   return all(d.platform == "cpu" for d in devices)
 
 
+@functools.lru_cache(maxsize=4096)
+def _in_device_memory(sharding: jax.sharding.Sharding) -> bool:
+  """Whether a leaf lives in device memory (a leaf already in host memory
+  is not staged: a program reads device memory)."""
+  return sharding.memory_kind in (None, "device")
+
+
 class Read(enum.Enum):
   """Where a leaf's pieces are read from."""
 
@@ -238,7 +245,8 @@ def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any], staging: Staging = 
       continue
     raw = _plain(spec, leaf)
     here = _on_cpu(raw.sharding)
-    if staging is Staging.ALWAYS or (staging is Staging.AUTO and not here):
+    if _in_device_memory(raw.sharding) and (
+        staging is Staging.ALWAYS or (staging is Staging.AUTO and not here)):
       out[i] = (raw, raw, Read.STAGE)
     else:
       out[i] = (raw, raw, Read.VIEW if here else Read.PINNED)
