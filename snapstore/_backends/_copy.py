@@ -93,6 +93,20 @@ def _bytes_of(x: np.ndarray | jax.Array) -> np.ndarray:
   return x.reshape(-1).view(np.uint8)
 
 
+def _bytes_from(source: Source, piece: Piece, rows: dict[int, np.ndarray]) -> np.ndarray:
+  """The bytes of a source that is not a view: its place in a received row
+  (``rows``: id(row) -> its bytes, each row read once: the drain waits for
+  the move), a one-part staged piece, or a host copy (:func:`_bytes_of`)."""
+  if isinstance(source, Packed):
+    row = rows.get(id(source.row))
+    if row is None:
+      row = rows[id(source.row)] = np.asarray(source.row)
+    return row[source.start:source.start + piece.nbytes]
+  if isinstance(source, Parts):
+    return source.take(0)
+  return _bytes_of(source)
+
+
 @functools.lru_cache(maxsize=1 << 16)  # the same pieces every snapshot
 def _chunks_of(path: str, index: Index, nbytes: int, chunk_bytes: int
                 ) -> tuple[tuple[int, int, int], ...]:
@@ -140,23 +154,9 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   def copy_small(batch: list[Small]) -> list[int]:
     return copy_crc_gather(dst, batch)  # (one call: no Python a piece in the copy)
 
-  # a chunk of a staged piece: (its parts, at, seed, twin places, which parts)
-  Staged = tuple[Parts, int, int, Sequence[tuple[np.ndarray, int]], range]
-
-  def copy_staged(batch: list[Staged]) -> list[int]:
-    out = []
-    for parts, at, seed, more, ks in batch:
-      crc = seed
-      for k in ks:  # each part read once, as it lands, then dropped
-        a, b = parts.bounds[k], parts.bounds[k + 1]
-        crc = copy_crc(dst[at + a: at + b], parts.take(k),
-                       crc, [buf[t + a: t + b] for buf, t in more])
-      out.append(crc)
-    return out
-
   chunks: list[Chunk] = []
   per_piece: list[tuple[int, int]] = []  # (which piece, its chunks) of each big piece
-  staged: list[Staged] = []
+  staged: list[_StagedChunk] = []
   per_staged: list[tuple[int, int]] = []  # (which piece, its chunks) of each staged one
   smalls: list[Small] = []
   small_at: list[int] = []  # which piece each small one is
@@ -167,21 +167,13 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
     more = twins[j] if twins is not None else ()
     if type(source) is np.ndarray and source.flags.c_contiguous:  # a view (CPU)
       src = source.reshape(-1).view(np.uint8)
-    elif isinstance(source, Packed):
-      row = rows.get(id(source.row))
-      if row is None:
-        row = rows[id(source.row)] = np.asarray(source.row)
-      src = row[source.start:source.start + piece.nbytes]
     elif isinstance(source, Parts) and len(source.arrays) > 1:
-      path = specs[piece.leaf].path
-      cuts = _staged_chunks(source, path, piece, chunk_bytes)
+      cuts = _staged_chunks(source, specs[piece.leaf].path, piece, chunk_bytes)
       staged.extend([(source, at, seed, more, ks) for ks, seed in cuts])
       per_staged.append((j, len(cuts)))
       continue
-    elif isinstance(source, Parts):
-      src = source.take(0)
     else:
-      src = _bytes_of(source)
+      src = _bytes_from(source, piece, rows)
     n = piece.nbytes
     if src.nbytes != n:
       raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, expected {n}")
@@ -197,9 +189,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   # (twins are written too).
   running = [pool.submit(copy_chunks, b) for b in
              filled(chunks, [(c[3] - c[2]) * (1 + len(c[5])) for c in chunks], chunk_bytes)]
-  landing = [pool.submit(copy_staged, b) for b in filled(
-      staged, [(c[0].bounds[c[4][-1] + 1] - c[0].bounds[c[4][0]]) * (1 + len(c[3]))
-               for c in staged], chunk_bytes)]
+  landing = _submit_staged(pool, dst, staged, chunk_bytes)
   # Small pieces: half their tasks on the pool, half on this thread (two
   # threads overlap one's copies, which release the GIL above 16 KiB, with
   # the other's Python).
@@ -210,21 +200,48 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   small_crcs: list[int] = []
   for i in range(len(tasks)):
     small_crcs.extend(here[i // 2] if i % 2 == 0 else there[i // 2].result())
-  flat = [crc for f in running for crc in f.result()]
   crcs: list[tuple[int, ...]] = [()] * len(cap.pieces)
   for j, crc in zip(small_at, small_crcs, strict=True):
     crcs[j] = (crc,)
+  _spread(crcs, per_piece, running)
+  _spread(crcs, per_staged, landing)
+  cap.release()
+  return crcs
+
+
+def _spread(crcs: list[tuple[int, ...]], per_piece: Sequence[tuple[int, int]],
+            tasks: Sequence[futures.Future[list[int]]]) -> None:
+  """Sets ``crcs[j]`` of each ``(j, chunks)`` of ``per_piece`` from the
+  tasks' results, the pieces' chunks in order."""
+  flat = [crc for f in tasks for crc in f.result()]
   at = 0
   for j, n in per_piece:
     crcs[j] = tuple(flat[at:at + n])
     at += n
-  flat = [crc for f in landing for crc in f.result()]
-  at = 0
-  for j, n in per_staged:
-    crcs[j] = tuple(flat[at:at + n])
-    at += n
-  cap.release()
-  return crcs
+
+
+# a chunk of a staged piece: (its parts, at, crc32c seed, twin places, which parts)
+_StagedChunk = tuple[Parts, int, int, Sequence[tuple[np.ndarray, int]], range]
+
+
+def _submit_staged(pool: futures.Executor, dst: np.ndarray, staged: Sequence[_StagedChunk],
+                   chunk_bytes: int) -> list[futures.Future[list[int]]]:
+  """Copies the staged pieces' chunks into ``dst`` on the pool, one task per
+  ~``chunk_bytes``; each task's crc32c per chunk. Each part is read once, as
+  it lands, then dropped (its device and host memory go then)."""
+
+  def copy_staged(batch: list[_StagedChunk]) -> list[int]:
+    out = []
+    for parts, at, seed, more, ks in batch:
+      crc = seed
+      for k in ks:
+        a, b = parts.bounds[k], parts.bounds[k + 1]
+        crc = copy_crc(dst[at + a: at + b], parts.take(k), crc,
+                       [buf[t + a: t + b] for buf, t in more])
+      out.append(crc)
+    return out
+  sizes = [(c[0].bounds[c[4][-1] + 1] - c[0].bounds[c[4][0]]) * (1 + len(c[3])) for c in staged]
+  return [pool.submit(copy_staged, b) for b in filled(list(staged), sizes, chunk_bytes)]
 
 
 def _staged_chunks(parts: Parts, path: str, piece: Piece, chunk_bytes: int
