@@ -19,6 +19,21 @@ JSON and writes ``--out``, every figure of one run:
 * ``orbax``: the same state through Orbax's ``StandardCheckpointer`` in a
   fresh directory under ``/tmp``, save and restore onto the device,
   against the pinned-host store's warm restore, bitwise checked;
+* ``link``: the raw link, ``--mb`` in all: device -> host in pieces of 1, 4
+  and 16 MiB (cut on the device first, then ``copy_to_host_async()`` on
+  every piece and ``np.asarray`` of each), and host -> device
+  (``device_put`` of the same pieces, and of one array);
+* ``per_step``: for each ``--state-mb`` and ``--step-ms``, a donating step
+  with a snapshot every step against none (``--per-step-steps`` a loop,
+  ``--rounds`` interleaved rounds, best of each) for each of
+  ``--per-step-stores``: host files with the staging budget at its default
+  and at 64 MiB, the pinned-host store, (``host_files_pinned_put``: the
+  unstaged ``pinned_host`` put); each with its save metrics (bytes staged,
+  bytes copied before ``save`` returned, the stall), host RSS before and
+  after the loops' snapshots, a restore of the last snapshot (bitwise
+  checked) against a raw ``device_put`` of the same bytes, and, with
+  ``link``, the small budget's bound (no snapshot + 1.2 x state bytes over
+  the 4 MiB link);
 * ``recovery`` (GPU only): ``snapstore.recovery.set_flags`` (JAX's
   documented flag set), then a recoverable one-process job
   (``jax_enable_recoverability``, ``live_devices``) running a jitted step.
@@ -43,6 +58,12 @@ from benchmarks._common import cleanup, emit, ram_dir
 
 STORES = {"host_files": ("HOST_FILES", "auto"), "pinned_device_sum": ("PINNED_HOST", "device"),
           "pinned_crc32c": ("PINNED_HOST", "host")}
+# per_step: name -> (store, options beyond its own)
+PER_STEP = {"host_files": ("host_files", {}),
+            "host_files_budget_64mb": ("host_files", {"staging_budget_bytes": 64 << 20}),
+            "pinned_device_sum": ("pinned_device_sum", {}),
+            "host_files_pinned_put": ("host_files", {"staging": "NEVER"})}
+LINK_PIECES_MB = (1, 4, 16)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -102,13 +123,16 @@ def make_state(state_mb: int, leaves: int = 16) -> dict[str, Any]:
   return {f"w{i:02d}": make(jax.random.key(i)) for i in range(leaves)}
 
 
-def manager(kind: str, store_dir: str):
+def manager(kind: str, store_dir: str, **extra: Any):
   import jax
 
   import snapstore
   store, checksum = STORES[kind]
+  if "staging" in extra:
+    extra["staging"] = snapstore.Staging[extra["staging"]]
   opts = snapstore.SnapshotOptions(store_dir=store_dir, keep=1, run_id=kind,
-                                   store=snapstore.StoreKind[store], pinned_checksum=checksum)
+                                   store=snapstore.StoreKind[store], pinned_checksum=checksum,
+                                   **extra)
   slices = {0: jax.devices()} if store == "PINNED_HOST" else None
   return snapstore.SnapshotManager(opts, slices=slices)
 
@@ -170,11 +194,13 @@ def stores(state: Any, repeats: int) -> dict[str, Any]:
 
 def train_step(state: Any, step_ms: float) -> tuple[Callable[..., Any], Any, int]:
   """A jitted, donating ``fn(state, x, iters)`` that touches every leaf and
-  computes for about ``step_ms`` (a bf16 matmul chain)."""
+  computes for about ``step_ms`` (a bf16 matmul chain; on CPU, a smoke
+  test, of 256 x 256 matrices, not 4096 x 4096)."""
   import jax
   import jax.numpy as jnp
-  w = jnp.eye(4096, dtype=jnp.bfloat16) * 0.999
-  x = jnp.ones((4096, 4096), jnp.bfloat16)
+  dim = 256 if jax.default_backend() == "cpu" else 4096
+  w = jnp.eye(dim, dtype=jnp.bfloat16) * 0.999
+  x = jnp.ones((dim, dim), jnp.bfloat16)
 
   def body(state, x, iters):
     y = jax.lax.fori_loop(0, iters, lambda _, y: jnp.tanh(y @ w), x)
@@ -229,6 +255,129 @@ def overhead(state_mb: int, step_ms: float, intervals: Sequence[int], steps: int
           f"every_{i}": {"step_ms": round(best[str(i)] * 1e3, 2),
                          "overhead": round(best[str(i)] / best["none"] - 1.0, 4)}
           for i in intervals}}
+    finally:
+      cleanup(d)
+  return out
+
+
+def _rss_mb() -> float:
+  """This process's resident memory, MiB (Linux; else -1)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20), 1)
+  except (OSError, ValueError, IndexError):
+    return -1.0
+
+
+def link(mb: int, repeats: int) -> dict[str, Any]:
+  """The raw link, ``mb`` MiB: device -> host in pieces of each size (cut on
+  the device, then ``copy_to_host_async()`` on all, then ``np.asarray`` of
+  each; fresh pieces each time, an array caches its host copy), and host ->
+  device of the same pieces and of one array."""
+  import jax
+  import jax.numpy as jnp
+
+  from snapstore import _jax_private
+  dev = jax.devices()[0]
+  total = mb << 20
+  x = jax.device_put(np.arange(total // 4, dtype=np.float32), dev)
+  out: dict[str, Any] = {"mb": mb}
+  for piece_mb in LINK_PIECES_MB:
+    n = total // (piece_mb << 20)
+    if n < 1:
+      continue
+    split = jax.jit(lambda a, i, n=n: jnp.split(a + i, n))
+    best = float("inf")
+    for i in range(repeats + 1):  # (the first compiles)
+      pieces = jax.block_until_ready(split(x, float(i)))
+      t = time.perf_counter()
+      _jax_private.copy_to_host_async(pieces)
+      host = [np.asarray(p) for p in pieces]
+      if i:
+        best = min(best, time.perf_counter() - t)
+    out[f"d2h_{piece_mb}mb_pieces_gbps"] = _gbps(total, best)
+    out[f"h2d_{piece_mb}mb_pieces_gbps"] = _gbps(total, _best(
+        lambda host=host: jax.device_put(host, [dev] * len(host)), repeats))
+  whole = np.asarray(jax.device_get(x))
+  out["h2d_one_array_gbps"] = _gbps(total, _best(lambda: jax.device_put(whole, dev), repeats))
+  return out
+
+
+def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: int,
+             kinds: Sequence[str], link_gbps: float | None,
+             staging: str = "AUTO") -> dict[str, Any]:
+  """Per-step time with a snapshot every step against none, each of
+  ``kinds`` (:data:`PER_STEP`), with its save metrics, host RSS, and a
+  restore against a raw ``device_put`` of the same bytes."""
+  import jax
+  state = make_state(state_mb)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  fn, x, iters = train_step(jax.tree.map(lambda a: a.copy(), state), step_ms)
+  out: dict[str, Any] = {"state_mb": state_mb, "step_ms_asked": step_ms, "iters": iters,
+                         "steps_a_loop": steps}
+  step = 0
+
+  def loop(mgr: Any | None) -> float:
+    nonlocal state, step
+    t = time.perf_counter()
+    for _ in range(steps):
+      step += 1
+      state = fn(state, x, iters)
+      if mgr is not None:
+        mgr.save(step, state, force=True)
+    jax.block_until_ready(state)
+    took = time.perf_counter() - t
+    if mgr is not None:
+      mgr.wait_until_finished()
+    return took / steps
+
+  for name in kinds:
+    kind, extra = PER_STEP[name]
+    if STORES[kind][0] == "HOST_FILES":
+      extra = {"staging": staging, **extra}
+    d = ram_dir("snapstore-dc-")
+    try:
+      with manager(kind, str(d), **extra) as mgr:
+        loop(mgr)  # compiles, and the first save makes the store
+        rss_before = _rss_mb()
+        m = mgr.metrics
+        started, stall0, capture0 = m.snapshots_started, m.stall_seconds_total, \
+            m.capture_seconds_total
+        none, snap = float("inf"), float("inf")
+        for _ in range(rounds):
+          none = min(none, loop(None))
+          snap = min(snap, loop(mgr))
+        rss_after = _rss_mb()
+        saves = m.snapshots_started - started
+        row: dict[str, Any] = {
+            "step_ms_none": round(none * 1e3, 2), "step_ms_every_1": round(snap * 1e3, 2),
+            "over_none": round(snap / none, 4),
+            "save_returns_ms_mean": round((m.capture_seconds_total - capture0) / saves * 1e3, 2),
+            "stall_ms_mean": round((m.stall_seconds_total - stall0) / saves * 1e3, 2),
+            "staged_bytes": m.staged_bytes,
+            "copied_before_return_bytes": m.copied_before_return_bytes,
+            "waited_busy": m.waited_busy, "drain_s_last": round(m.drain_seconds, 4),
+            "rss_mb_before": rss_before, "rss_mb_after": rss_after, "snapshots": saves}
+        if link_gbps:
+          row["small_budget_bound_ms"] = round(none * 1e3 + 1.2 * nbytes / link_gbps / 1e6, 2)
+        step += 1
+        state = fn(state, x, iters)
+        mgr.save(step, state, force=True)
+        expected = jax.device_get(state)
+        mgr.wait_until_finished()
+        restores = []
+        for _ in range(repeats):
+          t = time.perf_counter()
+          r = mgr.restore(_abstract(state))
+          jax.block_until_ready(r.state)
+          restores.append(time.perf_counter() - t)
+        shardings = jax.tree.map(lambda a: a.sharding, state)
+        raw = _best(lambda e=expected, sh=shardings: jax.device_put(e, sh), repeats)
+        row.update({"restore_s": round(min(restores), 4), "raw_h2d_s": round(raw, 4),
+                    "restore_over_raw_h2d": round(raw / min(restores), 4),
+                    "restored_step": r.step, "bitwise_equal": _equal(r.state, expected)})
+        del r
+      out[name] = row
     finally:
       cleanup(d)
   return out
@@ -296,16 +445,25 @@ def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="benchmarks.device_check", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--mb", type=int, default=1024, help="capture: one leaf of this size")
-  p.add_argument("--state-mb", type=int, default=2048, help="stores, overhead, orbax")
-  p.add_argument("--step-ms", type=float, default=200.0)
+  p.add_argument("--state-mb", type=int, nargs="+", default=[2048],
+                 help="per_step: each; stores, overhead, orbax: the first")
+  p.add_argument("--step-ms", type=float, nargs="+", default=[200.0],
+                 help="per_step: each; overhead: the first")
+  p.add_argument("--per-step-steps", type=int, default=10, help="a per_step loop's steps")
+  p.add_argument("--staging", choices=["AUTO", "ALWAYS", "NEVER"], default="AUTO",
+                 help="per_step: host files' SnapshotOptions.staging where a store does not "
+                      "set it (ALWAYS: the staged path on CPU devices, with --cpu)")
+  p.add_argument("--per-step-stores", nargs="+", choices=list(PER_STEP),
+                 default=["host_files", "host_files_budget_64mb", "pinned_device_sum"])
   p.add_argument("--intervals", type=int, nargs="+", default=[1, 3, 10])
   p.add_argument("--steps", type=int, default=30, help="a loop's steps (overhead)")
   p.add_argument("--stores", nargs="+", choices=list(STORES), default=list(STORES),
                  help="overhead: the stores to run")
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--sections", nargs="+", default=["capture", "stores", "overhead"],
-                 choices=["capture", "stores", "overhead"],
+  p.add_argument("--sections", nargs="+",
+                 default=["capture", "link", "stores", "overhead", "per_step"],
+                 choices=["capture", "link", "stores", "overhead", "per_step"],
                  help="stores includes the Orbax comparison")
   p.add_argument("--out", default="bench-results/device_check.json")
   p.add_argument("--cpu", action="store_true",
@@ -325,14 +483,22 @@ def main(argv: Sequence[str] | None = None) -> int:
       "fused_copy": cs.FUSED, "xla_flags": os.environ.get("XLA_FLAGS", "")}
   if "capture" in a.sections:
     out["capture"] = capture(a.mb, a.repeats)
+  if "link" in a.sections:
+    out["link"] = link(a.mb, a.repeats)
   if "stores" in a.sections:
-    state = make_state(a.state_mb)
+    state = make_state(a.state_mb[0])
     out["stores"] = stores(state, a.repeats)
     out["orbax"] = orbax(state, a.repeats, out["stores"]["pinned_device_sum"]["restore_s"])
     del state
   if "overhead" in a.sections:
-    out["overhead"] = overhead(a.state_mb, a.step_ms, a.intervals, a.steps, a.rounds,
+    out["overhead"] = overhead(a.state_mb[0], a.step_ms[0], a.intervals, a.steps, a.rounds,
                                a.stores)
+  if "per_step" in a.sections:
+    gbps = out.get("link", {}).get("d2h_4mb_pieces_gbps")
+    out["per_step"] = {f"{mb}mb_{ms:g}ms": per_step(mb, ms, a.per_step_steps, a.rounds,
+                                                    a.repeats, a.per_step_stores, gbps,
+                                                    a.staging)
+                       for mb in a.state_mb for ms in a.step_ms}
   if gpu:
     out["recovery"] = recovery_check()
   emit("device_check", out, a.out)

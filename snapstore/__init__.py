@@ -30,6 +30,7 @@ from .options import (
     Parity as Parity,
     Replicas as Replicas,
     SnapshotOptions as SnapshotOptions,
+    Staging as Staging,
     StoreKind as StoreKind,
 )
 
@@ -40,7 +41,8 @@ __all__ = [
     "DrainFailedError", "Every", "FailurePolicy",
     "NothingToRestoreError", "OrbaxTier", "Parity", "Replicas", "RestoreResult", "SaveMetrics",
     "SnapshotManager", "SnapshotOptions",
-    "SnapstoreError", "Source", "StepNotFoundError", "StepOrderError", "StoreError", "StoreKind",
+    "SnapstoreError", "Source", "Staging", "StepNotFoundError", "StepOrderError", "StoreError",
+    "StoreKind",
     "TreeMismatchError",
     "UnsafeStoreError", "UnsupportedLeafError",
     "errors",

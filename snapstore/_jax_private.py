@@ -1,6 +1,6 @@
 """Every use of JAX's private API, in one place, behind one version check.
 
-snapstore reaches past JAX's public API for four things, each where no
+snapstore reaches past JAX's public API for five things, each where no
 public call does the same:
 
 - the distributed runtime (``jax._src.distributed.global_state``, and
@@ -13,7 +13,10 @@ public call does the same:
 - JAX's batched put (``jax._src.interpreters.pxla.batched_device_put``):
   a restore places each leaf's host buffers in one call (:mod:`._assemble`);
 - ``jax.Array._arrays``: a leaf's single-device arrays in one attribute
-  read, on a save's hot path (:mod:`snapstore._tree`).
+  read, on a save's hot path (:mod:`snapstore._tree`);
+- JAX's batched ``copy_to_host_async`` (``jax._src.lib._jax``): a staged
+  capture starts the copies of hundreds of pieces in one call
+  (:mod:`snapstore._backends.staging`).
 
 Each function degrades to None (or raises ``ImportError`` where there is no
 other way) where this JAX lacks what it reaches for; :func:`unsupported`
@@ -91,3 +94,24 @@ def single_device_arrays(arr: jax.Array) -> list[jax.Array] | None:
   position), or None where this JAX keeps none."""
   shards = getattr(arr, "_arrays", None)
   return shards if type(shards) is list else None
+
+
+def copy_to_host_async(arrays: Sequence[jax.Array]) -> None:
+  """Starts every array's copy to host memory (``jax.Array.copy_to_host_async``),
+  in JAX's one batched call where this JAX's method makes that call itself
+  (with a list of one; the same version gate), else one call an array."""
+  if not arrays:
+    return
+  try:
+    from jax._src.lib import _jax, ifrt_version, jaxlib_extension_version
+    batched = (getattr(_jax, "batched_copy_to_host_async", None)
+               if jaxlib_extension_version >= 495 and ifrt_version >= 71 else None)
+  except ImportError:
+    batched = None
+  if batched is not None:
+    todo = [a for a in arrays if getattr(a, "_npy_value", None) is None]  # as the method
+    if todo:
+      batched(todo)
+    return
+  for a in arrays:
+    a.copy_to_host_async()

@@ -77,6 +77,11 @@ class Saver:
     m.snapshots_started += 1
     m.capture_seconds = time.perf_counter() - t0
     m.capture_seconds_total += m.capture_seconds
+    staging = getattr(pending, "staging", None)  # host files: what the capture staged
+    if staging is not None:
+      m.staged_bytes, m.copied_before_return_bytes = staging.staged_bytes, staging.copied_bytes
+      m.stall_seconds = staging.stall_seconds
+      m.stall_seconds_total += staging.stall_seconds
     self.schedule.on_snapshot(step, time.perf_counter() - t_enter)
     m.interval, m.interval_reason = self.schedule.interval, self.schedule.reason
     return True

@@ -27,6 +27,11 @@ class SaveMetrics:
   drain_seconds: float = 0.0     # background copy + checksum + commit (last)
   capture_seconds_total: float = 0.0
   drain_seconds_total: float = 0.0
+  # host files on accelerators (SnapshotOptions.staging): the last save's
+  staged_bytes: int = 0          # bytes left in device memory, copied while training runs
+  copied_before_return_bytes: int = 0  # bytes over the staging budget, copied before return
+  stall_seconds: float = 0.0     # time save() waited for those (part of capture_seconds)
+  stall_seconds_total: float = 0.0
   bytes_snapshotted: int = 0
   persistent_saves: int = 0
   interval: int = 1              # the snapshot interval in force (``"auto"``: chosen)

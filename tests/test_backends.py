@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from snapstore import StoreKind
+from snapstore import Staging, StoreKind
 from snapstore._manifest import Manifest, PieceRecord
 from snapstore.testing.backend_suite import BackendSuite, abstract, awkward_state, save_steps
 from tests.helpers import assert_bitwise_equal, host_copy
@@ -31,10 +31,23 @@ class HostFilesSuite(BackendSuite):
       f.seek(record.offset + at)
       f.write(bytes([b[0] ^ mask]))
 
-  def test_the_accelerator_path_stages_every_leaf_in_one_put(self, store_dir, monkeypatch):
-    """Off CPU, host files read each leaf's ``pinned_host`` copy, all leaves
-    dispatched in one ``device_put`` (CPU devices have ``pinned_host`` memory:
-    the path runs here when told the devices are not CPUs)."""
+  def test_the_staged_path_saves_every_awkward_leaf_bitwise(self, store_dir):
+    """``Staging.ALWAYS``: the accelerator path (shards staged and cut into
+    pieces, several a chunk) on CPU devices."""
+    state = awkward_state(jax.devices(), 1)
+    with self.manager(store_dir, staging=Staging.ALWAYS, chunk_bytes=8192,
+                      staging_piece_bytes=4096) as mgr:
+      mgr.save(1, state)
+      assert mgr.metrics.staged_bytes > 0
+      mgr.wait_until_finished()
+      got = mgr.restore(abstract(awkward_state(jax.devices(), 0)))
+    assert_bitwise_equal(host_copy(state), got.state)
+
+  def test_the_pinned_host_path_puts_every_leaf_in_one_call(self, store_dir, monkeypatch):
+    """Off CPU with ``Staging.NEVER``, host files read each leaf's
+    ``pinned_host`` copy, all leaves dispatched in one ``device_put`` (CPU
+    devices have ``pinned_host`` memory: the path runs here when told the
+    devices are not CPUs)."""
     from snapstore._backends.hostfiles import capture
     monkeypatch.setattr(capture, "_on_cpu", lambda sharding: False)
     state = awkward_state(jax.devices(), 1)
@@ -44,7 +57,7 @@ class HostFilesSuite(BackendSuite):
     def put(x, *args, **kw):  # (jax.device_put itself: this test's only puts)
       puts.append(len(x) if isinstance(x, list) else 1)
       return real_put(x, *args, **kw)
-    with self.manager(store_dir) as mgr:
+    with self.manager(store_dir, staging=Staging.NEVER) as mgr:
       monkeypatch.setattr(jax, "device_put", put)
       mgr.save(1, state)
       mgr.wait_until_finished()

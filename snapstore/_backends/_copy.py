@@ -42,6 +42,7 @@ from .._manifest import Manifest, PieceRecord, piece_row, split_parity
 from .._tree import LeafSpec, Piece, filled
 from ..options import SnapshotOptions
 from .base import Header, retain
+from .staging import Parts, Report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +55,9 @@ class Packed:
 
 
 # A piece's bytes: a host view (pinned against donation), a jax.Array read
-# by ``np.asarray`` in the drain (a host copy landing), or its place in a
-# received row.
-Source = np.ndarray | jax.Array | Packed
+# by ``np.asarray`` in the drain (a host copy landing), its place in a
+# received row, or its staged parts (:mod:`.staging`).
+Source = np.ndarray | jax.Array | Packed | Parts
 
 
 @dataclasses.dataclass
@@ -74,6 +75,7 @@ class Capture:
   # (stripe, block) of each parity piece -> (members, layout, length)
   parity: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Any, ...], int]] = \
       dataclasses.field(default_factory=dict)
+  staged: Report = dataclasses.field(default_factory=Report)  # what staging did
 
   @property
   def nbytes(self) -> int:
@@ -89,6 +91,20 @@ def _bytes_of(x: np.ndarray | jax.Array) -> np.ndarray:
   if type(x) is not np.ndarray or not x.flags.c_contiguous:
     x = np.ascontiguousarray(np.asarray(x))
   return x.reshape(-1).view(np.uint8)
+
+
+def _bytes_from(source: Source, piece: Piece, rows: dict[int, np.ndarray]) -> np.ndarray:
+  """The bytes of a source that is not a view: its place in a received row
+  (``rows``: id(row) -> its bytes, each row read once: the drain waits for
+  the move), a one-part staged piece, or a host copy (:func:`_bytes_of`)."""
+  if isinstance(source, Packed):
+    row = rows.get(id(source.row))
+    if row is None:
+      row = rows[id(source.row)] = np.asarray(source.row)
+    return row[source.start:source.start + piece.nbytes]
+  if isinstance(source, Parts):
+    return source.take(0)
+  return _bytes_of(source)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the same pieces every snapshot
@@ -140,6 +156,8 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
 
   chunks: list[Chunk] = []
   per_piece: list[tuple[int, int]] = []  # (which piece, its chunks) of each big piece
+  staged: list[_StagedChunk] = []
+  per_staged: list[tuple[int, int]] = []  # (which piece, its chunks) of each staged one
   smalls: list[Small] = []
   small_at: list[int] = []  # which piece each small one is
   rows: dict[int, np.ndarray] = {}  # id(row) -> its bytes (the drain waits for the move)
@@ -149,13 +167,13 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
     more = twins[j] if twins is not None else ()
     if type(source) is np.ndarray and source.flags.c_contiguous:  # a view (CPU)
       src = source.reshape(-1).view(np.uint8)
-    elif isinstance(source, Packed):
-      row = rows.get(id(source.row))
-      if row is None:
-        row = rows[id(source.row)] = np.asarray(source.row)
-      src = row[source.start:source.start + piece.nbytes]
+    elif isinstance(source, Parts) and len(source.arrays) > 1:
+      cuts = _staged_chunks(source, specs[piece.leaf].path, piece, chunk_bytes)
+      staged.extend([(source, at, seed, more, ks) for ks, seed in cuts])
+      per_staged.append((j, len(cuts)))
+      continue
     else:
-      src = _bytes_of(source)
+      src = _bytes_from(source, piece, rows)
     n = piece.nbytes
     if src.nbytes != n:
       raise ValueError(f"piece of leaf {piece.leaf} has {src.nbytes} bytes, expected {n}")
@@ -171,6 +189,7 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   # (twins are written too).
   running = [pool.submit(copy_chunks, b) for b in
              filled(chunks, [(c[3] - c[2]) * (1 + len(c[5])) for c in chunks], chunk_bytes)]
+  landing = _submit_staged(pool, dst, staged, chunk_bytes)
   # Small pieces: half their tasks on the pool, half on this thread (two
   # threads overlap one's copies, which release the GIL above 16 KiB, with
   # the other's Python).
@@ -181,16 +200,66 @@ def drain(cap: Capture, dst: np.ndarray, offsets: Sequence[int], *,
   small_crcs: list[int] = []
   for i in range(len(tasks)):
     small_crcs.extend(here[i // 2] if i % 2 == 0 else there[i // 2].result())
-  flat = [crc for f in running for crc in f.result()]
   crcs: list[tuple[int, ...]] = [()] * len(cap.pieces)
   for j, crc in zip(small_at, small_crcs, strict=True):
     crcs[j] = (crc,)
+  _spread(crcs, per_piece, running)
+  _spread(crcs, per_staged, landing)
+  cap.release()
+  return crcs
+
+
+def _spread(crcs: list[tuple[int, ...]], per_piece: Sequence[tuple[int, int]],
+            tasks: Sequence[futures.Future[list[int]]]) -> None:
+  """Sets ``crcs[j]`` of each ``(j, chunks)`` of ``per_piece`` from the
+  tasks' results, the pieces' chunks in order."""
+  flat = [crc for f in tasks for crc in f.result()]
   at = 0
   for j, n in per_piece:
     crcs[j] = tuple(flat[at:at + n])
     at += n
-  cap.release()
-  return crcs
+
+
+# a chunk of a staged piece: (its parts, at, crc32c seed, twin places, which parts)
+_StagedChunk = tuple[Parts, int, int, Sequence[tuple[np.ndarray, int]], range]
+
+
+def _submit_staged(pool: futures.Executor, dst: np.ndarray, staged: Sequence[_StagedChunk],
+                   chunk_bytes: int) -> list[futures.Future[list[int]]]:
+  """Copies the staged pieces' chunks into ``dst`` on the pool, one task per
+  ~``chunk_bytes``; each task's crc32c per chunk. Each part is read once, as
+  it lands, then dropped (its device and host memory go then)."""
+
+  def copy_staged(batch: list[_StagedChunk]) -> list[int]:
+    out = []
+    for parts, at, seed, more, ks in batch:
+      crc = seed
+      for k in ks:
+        a, b = parts.bounds[k], parts.bounds[k + 1]
+        crc = copy_crc(dst[at + a: at + b], parts.take(k), crc,
+                       [buf[t + a: t + b] for buf, t in more])
+      out.append(crc)
+    return out
+  sizes = [(c[0].bounds[c[4][-1] + 1] - c[0].bounds[c[4][0]]) * (1 + len(c[3])) for c in staged]
+  return [pool.submit(copy_staged, b) for b in filled(list(staged), sizes, chunk_bytes)]
+
+
+def _staged_chunks(parts: Parts, path: str, piece: Piece, chunk_bytes: int
+                   ) -> list[tuple[range, int]]:
+  """(its parts, crc32c seed) of each ``chunk_bytes`` chunk of a staged
+  piece: the parts must tile the piece and end on every chunk's bounds."""
+  n = piece.nbytes
+  if parts.bounds[0] != 0 or parts.bounds[-1] != n:
+    raise ValueError(f"staged parts of leaf {path!r} span {parts.bounds[0]}:"
+                     f"{parts.bounds[-1]}, expected 0:{n}")
+  at = {b: k for k, b in enumerate(parts.bounds)}
+  out = []
+  for a, b, seed in _chunks_of(path, piece.index, n, chunk_bytes):
+    ka, kb = at.get(a), at.get(b)
+    if ka is None or kb is None or kb <= ka:
+      raise ValueError(f"staged parts of leaf {path!r} straddle its chunk {a}:{b}")
+    out.append((range(ka, kb), seed))
+  return out
 
 
 def drain_domains(caps: Mapping[int, Capture], bufs: Mapping[int, np.ndarray],

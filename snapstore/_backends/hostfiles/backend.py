@@ -32,9 +32,10 @@ from ..._index import Index, shape_of
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafSpec
-from ...options import SnapshotOptions, StoreKind
+from ...options import SnapshotOptions, Staging, StoreKind
 from .. import _copy
 from ..base import DomainStores, Header
+from ..staging import Report, Stager
 from . import capture as _capture
 from .store import HostStore, host_dir
 
@@ -43,6 +44,14 @@ from .store import HostStore, host_dir
 class _Pending:
   header: Header
   jobs: list[tuple[HostStore, _copy.Capture, int]]  # (store, capture, slot)
+
+  @property
+  def staging(self) -> Report:
+    """What the capture staged (:mod:`..staging`), all stores together."""
+    reports = [cap.staged for _, cap, _ in self.jobs]
+    return Report(staged_bytes=sum(r.staged_bytes for r in reports),
+                  copied_bytes=sum(r.copied_bytes for r in reports),
+                  stall_seconds=sum(r.stall_seconds for r in reports))
 
 
 @functools.lru_cache(maxsize=8)
@@ -80,6 +89,10 @@ class HostFilesBackend(DomainStores):
       why = _parity.groups_error(len(set(self._domains.values())), options.parity_k)
       if why:
         raise ValueError(why)
+    self._stager = (Stager(piece_bytes=options.staging_piece_bytes,
+                           chunk_bytes=options.chunk_bytes,
+                           budget_bytes=options.staging_budget_bytes)
+                    if options.staging is not Staging.NEVER else None)
     self._views_plan: StepPlan | None = None  # slot views of the plan being read
     self._views: dict[tuple[int, int], np.ndarray] = {}
     self._views_lock = threading.Lock()  # fetches run on the pool
@@ -109,13 +122,16 @@ class HostFilesBackend(DomainStores):
       up = set(self.live())
       live = {d: k for d, k in self._domain_of.items() if k in up}
       caps = _capture.capture_by_domain(specs, leaves, domain_of=live,
-                                        replicas=replicas, step=header.step)
+                                        replicas=replicas, step=header.step,
+                                        stager=self._stager, staging=self.options.staging)
     else:
       caps = {self._host: _capture.capture(specs, leaves, host=self._host,
                                            domains=self._domains,
                                            replicas=replicas,
                                            step=header.step,
-                                           stripes=self._stripes() if replicas else None)}
+                                           stripes=self._stripes() if replicas else None,
+                                           stager=self._stager,
+                                           staging=self.options.staging)}
     jobs = []
     for sid, cap in caps.items():
       store = self.stores[sid]

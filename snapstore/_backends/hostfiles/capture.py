@@ -7,8 +7,13 @@ safe from the next step:
 * on CPU, a shard's ``np.asarray`` is a zero-copy view of the live buffer. While
   a view is alive, XLA will not donate that buffer (it copies instead), so the
   view is a stable source for the background copy: one memcpy in all.
-* on accelerators, each leaf is dispatched to ``pinned_host`` memory with an
-  async ``device_put``; the drain reads the host copy.
+* on accelerators (``Staging.AUTO``; on CPU too with ``Staging.ALWAYS``),
+  each shard is copied in device memory and cut into pieces whose copies to
+  host memory are under way when ``capture`` returns; what does not fit the
+  staging budget has landed by then (:mod:`..staging`). The drain reads the
+  pieces into the slot at their offsets.
+* with ``Staging.NEVER``, each leaf is dispatched to ``pinned_host`` memory
+  with an async ``device_put``; the drain reads the host copy.
 
 Replicas travel between hosts on the ring (:func:`snapstore._placement.ring_permute`);
 a single controller captures per failure domain (:func:`capture_by_domain`).
@@ -17,6 +22,7 @@ a single controller captures per failure domain (:func:`capture_by_domain`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Sequence
 from typing import Any, cast
@@ -45,7 +51,9 @@ from ..._tree import (
   batches,
   piece_of,
 )
+from ...options import Staging
 from .._copy import Capture, Packed
+from ..staging import Stager
 
 
 @dataclasses.dataclass
@@ -87,7 +95,8 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
             host: int, domains: dict[int, int] | None = None,
             replicas: int = 0, step: int = -1,
             replica_batch_bytes: int = 64 << 20,
-            stripes: _parity.Stripes | None = None) -> Capture:
+            stripes: _parity.Stripes | None = None,
+            stager: Stager | None = None, staging: Staging = Staging.AUTO) -> Capture:
   """Takes a stable reference to every addressable piece of ``leaves``.
 
   With ``domains`` and ``replicas`` (multi-host), also receives, by a JAX
@@ -96,12 +105,17 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   its stripes (:mod:`.._parity`; a leaf the parity collective cannot carry,
   not evenly sharded over every device, still travels as a full replica).
   Collective then: every host calls it with the same state.
+
+  With a ``stager`` (and ``staging`` not ``NEVER``), array leaves are staged
+  (:meth:`..staging.Stager.stage`; it blocks only for what does not fit
+  its budget). Call it from the training thread.
   """
   cap = Capture(list(specs), [], [], [], {})
   middle = len(specs) // 2
   transfers: list[Transfer] = []
   protect: list[tuple[int, jax.Array]] = []
-  arrays = staged(specs, leaves)
+  arrays = staged(specs, leaves, staging if stager is not None else Staging.NEVER)
+  to_stage: list[int] = []  # positions in cap.sources of the shards to stage
   for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if i == middle:
       _faults.point("capture", step)
@@ -111,13 +125,16 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     if spec.kind is LeafKind.NUMPY:
       _add_numpy(cap, i, leaf, host)
       continue
-    raw, arr, on_cpu = arrays[i]
+    raw, arr, how = arrays[i]
     pieces, data = addressable_data(i, arr)
     cap.pieces.extend(pieces)
     cap.owners.extend([host] * len(pieces))
     # On CPU a view of each shard, which blocks until the step computed it
-    # (and pins its buffer: see the module doc); else the pinned_host copy.
-    cap.sources.extend(list(map(np.asarray, data)) if on_cpu else data)
+    # (and pins its buffer: see the module doc); else its staged parts (set
+    # below), or the pinned_host copy.
+    if how is Read.STAGE:
+      to_stage.extend(range(len(cap.sources), len(cap.sources) + len(data)))
+    cap.sources.extend(list(map(np.asarray, data)) if how is Read.VIEW else data)
     if domains is None or replicas == 0:
       continue
     mine = {p.index for p in pieces}
@@ -127,6 +144,10 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
     elif shardings:
       owner_of = owners(arr.sharding, tuple(arr.shape))
       transfers.extend(Transfer(i, arr, rs, owner_of, mine) for rs in shardings)
+  if to_stage and stager is not None:
+    got, cap.staged = stager.stage([cast(jax.Array, cap.sources[k]) for k in to_stage])
+    for k, source in zip(to_stage, got, strict=True):
+      cap.sources[k] = source
   _replicate(cap, transfers, step=step, batch_bytes=replica_batch_bytes)
   if protect and stripes is not None:  # (protect is filled only with stripes)
     _add_parity(cap, stripes, protect, host=host, step=step)
@@ -193,29 +214,49 @@ def _on_cpu(sharding: jax.sharding.Sharding) -> bool:
   return all(d.platform == "cpu" for d in devices)
 
 
-def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any]
-           ) -> dict[int, tuple[jax.Array, jax.Array, bool]]:
+@functools.lru_cache(maxsize=4096)
+def _in_device_memory(sharding: jax.sharding.Sharding) -> bool:
+  """Whether a leaf lives in device memory (a leaf already in host memory
+  is not staged: a program reads device memory)."""
+  return sharding.memory_kind in (None, "device")
+
+
+class Read(enum.Enum):
+  """Where a leaf's pieces are read from."""
+
+  VIEW = "view"      # CPU: a zero-copy view of each shard
+  STAGE = "stage"    # the shards, staged by the capture (:mod:`..staging`)
+  PINNED = "pinned"  # its pinned_host copy
+
+
+def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any], staging: Staging = Staging.NEVER
+           ) -> dict[int, tuple[jax.Array, jax.Array, Read]]:
   """leaf position -> (the array leaf as a plain array, the array its pieces
-  are read from, whether it is on CPU), for every array leaf. On
-  accelerators that is a ``pinned_host`` copy, dispatched asynchronously,
-  all leaves in one ``device_put`` (JAX batches the transfers of a list in
-  C++: one call a leaf costs Python per leaf on the training thread, every
-  snapshot). On CPU, the leaf itself (its shards' views are the source)."""
-  out: dict[int, tuple[jax.Array, jax.Array, bool]] = {}
+  are read from, how), for every array leaf. On CPU the leaf itself, read
+  by views (``Staging.ALWAYS``: staged). On accelerators, the leaf itself
+  to stage, or with ``Staging.NEVER`` a ``pinned_host`` copy, dispatched
+  asynchronously, all leaves in one ``device_put`` (JAX batches the
+  transfers of a list in C++: one call a leaf costs Python per leaf on the
+  training thread, every snapshot)."""
+  out: dict[int, tuple[jax.Array, jax.Array, Read]] = {}
   moves: list[int] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if spec.kind in (LeafKind.SCALAR, LeafKind.NUMPY):
       continue
     raw = _plain(spec, leaf)
     here = _on_cpu(raw.sharding)
-    out[i] = (raw, raw, here)
-    if not here:
-      moves.append(i)
+    if _in_device_memory(raw.sharding) and (
+        staging is Staging.ALWAYS or (staging is Staging.AUTO and not here)):
+      out[i] = (raw, raw, Read.STAGE)
+    else:
+      out[i] = (raw, raw, Read.VIEW if here else Read.PINNED)
+      if not here:
+        moves.append(i)
   if moves:
     raws = [out[i][0] for i in moves]
     pinned = jax.device_put(raws, [r.sharding.with_memory_kind("pinned_host") for r in raws])
     for i, arr in zip(moves, pinned, strict=True):
-      out[i] = (out[i][0], arr, False)
+      out[i] = (out[i][0], arr, Read.PINNED)
   return out
 
 
@@ -237,19 +278,32 @@ def _add_replica(cap: Capture, t: Transfer, piece: Piece, data: jax.Array) -> No
     cap.sources.append(data)
 
 
+class _Later:
+  """A placeholder source: view ``k`` of a capture's staged shards."""
+
+  __slots__ = ("k",)
+
+  def __init__(self, k: int) -> None:
+    self.k = k
+
+
 def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
                       domain_of: dict[jax.Device, int], replicas: int,
-                      step: int = -1) -> dict[int, Capture]:
+                      step: int = -1, stager: Stager | None = None,
+                      staging: Staging = Staging.AUTO) -> dict[int, Capture]:
   """Single controller (Pathways): one Capture per failure domain (slice).
 
   Every piece goes to each domain whose devices hold it; a piece held by
   fewer than ``1 + replicas`` domains is also kept by the next domains in
   ring order (its bytes written to their stores), so losing its own domain
-  leaves a copy. Numpy leaves and scalars go to every domain.
+  leaves a copy. Numpy leaves and scalars go to every domain. With a
+  ``stager``, array leaves are staged as in :func:`capture` (the first
+  domain's copy of each piece; its twins are written from it).
   """
   order = sorted(set(domain_of.values()))
   caps = {d: Capture(list(specs), [], [], [], {}) for d in order}  # only active domains
-  arrays = staged(specs, leaves)
+  arrays = staged(specs, leaves, staging if stager is not None else Staging.NEVER)
+  later: list[jax.Array] = []  # the shards to stage, each read by one view
   for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
     if i == len(specs) // 2:
       _faults.point("capture", step)
@@ -261,19 +315,30 @@ def capture_by_domain(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
       for d, cap in caps.items():
         _add_numpy(cap, i, leaf, d)
       continue
-    _, arr, on_cpu = arrays[i]
+    _, arr, how = arrays[i]
     views_at, rows = _domain_rows(i, holder_layout(spec.path, arr, domain_of), tuple(order),
                                   replicas, arr.dtype.itemsize)
     shards = shard_arrays(arr)
     # On CPU, one view per index, which pins its buffer (see the module
     # doc): drain_domains reads a piece's first copy and writes the others
-    # (data-parallel twins, the same bytes) from the cache.
-    views = [np.asarray(shards[at]) for at in views_at] if on_cpu else []
+    # (data-parallel twins, the same bytes) from the cache. Staged: the
+    # same, one staged shard per index.
+    views: list[Any] = []
+    if how is Read.VIEW:
+      views = [np.asarray(shards[at]) for at in views_at]
+    elif how is Read.STAGE:
+      views = [_Later(len(later) + k) for k in range(len(views_at))]
+      later.extend(shards[at] for at in views_at)
     for d, pieces, owners_, which, sources in rows:
       caps[d].pieces.extend(pieces)
       caps[d].owners.extend(owners_)
-      caps[d].sources.extend([views[k] for k in which] if on_cpu
+      caps[d].sources.extend([views[k] for k in which] if how is not Read.PINNED
                              else [shards[at] for at in sources])
+  if later and stager is not None:
+    got, report = stager.stage(later)
+    for cap in caps.values():
+      cap.sources = [got[x.k] if isinstance(x, _Later) else x for x in cap.sources]
+    caps[order[0]].staged = report  # (counted once)
   return caps
 
 

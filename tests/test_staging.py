@@ -1,0 +1,217 @@
+"""The staged accelerator capture of the host-files store, run on CPU devices
+(``Staging.ALWAYS``): shards copied in device memory and cut into pieces, a
+budget for what stays staged, the rest copied before ``save`` returns; every
+restore bitwise."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import snapstore
+from snapstore._backends import staging
+from tests.helpers import assert_bitwise_equal, host_copy, only_store, opts
+
+CHUNK = 64 << 10  # small chunks and pieces: several pieces a chunk, chunks a shard
+PIECE = 16 << 10
+
+
+def make_state(seed: int = 0) -> dict:
+  """~3.6 MiB over 8 devices: sharded on either axis, replicated (twins),
+  bf16, a key, an empty leaf and a scalar."""
+  mesh = jax.make_mesh((8,), ("d",))
+  k = jax.random.split(jax.random.key(seed), 4)
+
+  def put(x, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+  return {
+      "w": put(jax.random.normal(k[0], (1024, 512), jnp.float32), P("d")),  # 256 KiB shards
+      "cols": put(jax.random.normal(k[1], (96, 1024), jnp.float32), P(None, "d")),
+      "rep": put(jax.random.normal(k[2], (300, 7), jnp.float32), P()),
+      "half": put(jax.random.normal(k[3], (4096, 100), jnp.bfloat16), P("d")),
+      "key": put(jax.random.key(seed + 1), P()),
+      "empty": put(jnp.zeros((0, 4), jnp.int32), P()),
+      "step": seed,
+  }
+
+
+def abstract(state: dict) -> dict:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else x, state)
+
+
+def stored_bytes(state: dict) -> int:
+  """Bytes of the distinct addressable shards: what a snapshot stores."""
+  total = 0
+  for x in jax.tree.leaves(state):
+    if isinstance(x, jax.Array):
+      x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+      total += sum({s.index: s.data.nbytes for s in x.addressable_shards}.values())
+  return total
+
+
+def staged_opts(store_dir, **kw) -> snapstore.SnapshotOptions:
+  return opts(store_dir, staging=snapstore.Staging.ALWAYS, chunk_bytes=CHUNK,
+              staging_piece_bytes=PIECE, **kw)
+
+
+@functools.cache
+def _donating_step():
+  def step(s):
+    return {k: (v * 2 + 1 if v.dtype in (jnp.float32, jnp.bfloat16) else v)
+            for k, v in s.items()}
+  return jax.jit(step, donate_argnums=0)
+
+
+def donating_step():
+  """A jitted step that donates every array leaf of the state."""
+  def step(state: dict) -> dict:
+    arrays = {k: v for k, v in state.items() if isinstance(v, jax.Array)}
+    return {**state, **_donating_step()(arrays), "step": state["step"] + 1}
+  return step
+
+
+def test_a_budget_for_everything_stages_every_shard_and_restores_bitwise(store_dir):
+  state = make_state()
+  with snapstore.SnapshotManager(staged_opts(store_dir)) as mgr:  # CPU: no limit
+    mgr.save(1, state)
+    m = mgr.metrics
+    assert m.staged_bytes == stored_bytes(state) and m.copied_before_return_bytes == 0
+    assert m.stall_seconds == 0.0
+    mgr.wait_until_finished()
+    got = mgr.restore(abstract(state))
+  assert got.step == 1
+  assert_bitwise_equal(state, got.state)
+
+
+def test_a_partial_budget_copies_the_rest_before_save_returns(store_dir):
+  state = make_state()
+  budget = 64 << 10
+  with snapstore.SnapshotManager(staged_opts(store_dir, staging_budget_bytes=budget)) as mgr:
+    mgr.save(1, state)
+    m = mgr.metrics
+    assert 0 < m.staged_bytes <= budget * 8  # per device
+    assert m.copied_before_return_bytes > 0
+    assert m.staged_bytes + m.copied_before_return_bytes == stored_bytes(state)
+    assert m.stall_seconds > 0 and m.stall_seconds_total == m.stall_seconds
+    mgr.wait_until_finished()
+    got = mgr.restore(abstract(state))
+  assert_bitwise_equal(state, got.state)
+
+
+def test_no_budget_copies_every_shard_whole_before_save_returns(store_dir):
+  state = make_state()
+  with snapstore.SnapshotManager(staged_opts(store_dir, staging_budget_bytes=0)) as mgr:
+    mgr.save(1, state)
+    assert mgr.metrics.staged_bytes == 0
+    assert mgr.metrics.copied_before_return_bytes == stored_bytes(state)
+    mgr.wait_until_finished()
+    got = mgr.restore(abstract(state))
+  assert_bitwise_equal(state, got.state)
+
+
+@pytest.mark.parametrize("budget", [None, 64 << 10, 0])
+def test_a_step_that_donates_the_state_right_after_save_changes_no_snapshot(store_dir, budget):
+  state = make_state()
+  expected = host_copy(state)
+  step = donating_step()
+  with snapstore.SnapshotManager(staged_opts(store_dir, keep=1,
+                                             staging_budget_bytes=budget)) as mgr:
+    saved = state
+    mgr.save(1, state)
+    for _ in range(3):  # donates the saved buffers while the drain reads the pieces
+      state = step(state)
+    # (copied whole on CPU, a shard's host copy is a view that keeps XLA from
+    # donating its buffer, as the CPU path's views do)
+    assert saved["w"].is_deleted() == (budget != 0)
+    mgr.wait_until_finished()
+    got = mgr.restore(abstract(make_state()), step=1)
+  assert_bitwise_equal(expected, got.state)
+  assert not np.array_equal(np.asarray(state["w"]), expected["w"])
+
+
+def test_saves_reuse_the_slots_and_the_compiled_cut_and_restore_bitwise(store_dir):
+  step = donating_step()
+  state = make_state()
+  template = abstract(make_state())
+  with snapstore.SnapshotManager(staged_opts(store_dir, keep=2,
+                                             staging_budget_bytes=64 << 10)) as mgr:
+    slots, compiled = None, None
+    for s in range(1, 7):
+      expected = host_copy(state)
+      mgr.save(s, state)
+      state = step(state)
+      mgr.wait_until_finished()
+      got = mgr.restore(template)
+      assert got.step == s
+      assert_bitwise_equal(expected, got.state)
+      files = {p.name: p.stat().st_ino for p in only_store(mgr).root.glob("slot-*")}
+      if s == 3:  # keep=2: two complete and the one being written
+        slots, compiled = files, staging._cutter.cache_info().currsize
+      elif s > 3:
+        assert files == slots  # the same slot files, written again
+        assert staging._cutter.cache_info().currsize == compiled  # nothing new to compile
+    assert mgr.metrics.snapshots_committed == 6
+    assert mgr.metrics.stall_seconds_total > mgr.metrics.stall_seconds > 0
+
+
+def test_auto_on_cpu_devices_keeps_the_zero_copy_views(store_dir):
+  state = make_state()
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr.save(1, state)
+    assert mgr.metrics.staged_bytes == 0 and mgr.metrics.copied_before_return_bytes == 0
+    mgr.wait_until_finished()
+    assert_bitwise_equal(state, mgr.restore(abstract(state)).state)
+
+
+def test_single_controller_stores_stage_each_piece_once(store_dir):
+  devices = jax.devices()
+  state = make_state()
+  with snapstore.SnapshotManager(staged_opts(store_dir, store=snapstore.StoreKind.HOST_FILES),
+                                 slices={0: devices[:4], 1: devices[4:]}) as mgr:
+    mgr.save(1, state)
+    assert mgr.metrics.staged_bytes == stored_bytes(state)
+    mgr.wait_until_finished()
+    got = mgr.restore(abstract(state))
+  assert_bitwise_equal(state, got.state)
+
+
+@pytest.mark.parametrize("nbytes,itemsize", [(1, 1), (4096, 4), (CHUNK, 2), (CHUNK + 8, 8),
+                                             (5 * CHUNK - 4, 4), (PIECE * 3 + 2, 2)])
+def test_parts_tile_a_shard_on_elements_and_end_on_every_chunk(nbytes, itemsize):
+  bounds = staging.part_bounds(nbytes, itemsize, PIECE, CHUNK)
+  assert bounds[0] == 0 and bounds[-1] == nbytes
+  sizes = np.diff(bounds)
+  assert (sizes > 0).all() and (sizes <= PIECE).all()
+  assert all(b % itemsize == 0 for b in bounds)
+  assert set(range(0, nbytes, CHUNK)) <= set(bounds)
+
+
+def test_the_budget_is_the_free_memory_at_the_peak_less_a_headroom_capped():
+  gib = 1 << 30
+  stats = {"bytes_limit": 16 * gib, "bytes_in_use": 2 * gib, "peak_bytes_in_use": 5 * gib}
+  room, need = staging.budget(stats, None)
+  assert need == 5 * gib and room == 11 * gib - int(16 * gib * staging.HEADROOM_FRACTION)
+  assert staging.budget(stats, 64 << 20)[0] == 64 << 20  # capped
+  # a later peak reached while 3 GiB were staged is the program's 5 GiB again
+  later = {**stats, "peak_bytes_in_use": 8 * gib}
+  assert staging.budget(later, None, held=3 * gib, need=need) == (room, 5 * gib)
+  # ...and one the staging cannot explain is the program's own
+  assert staging.budget(later, None, held=1 * gib, need=need)[1] == 7 * gib
+  full = {**stats, "bytes_in_use": 16 * gib - (100 << 20)}
+  assert staging.budget(full, None)[0] == 0  # never below 0
+  assert staging.budget(None, None) == (None, None)  # CPU: no limit
+  assert staging.budget(None, 123) == (123, None)
+
+
+@pytest.mark.parametrize("kw", [{"staging": "always"}, {"staging_budget_bytes": -1},
+                                {"staging_budget_bytes": 1.5}, {"staging_piece_bytes": 100},
+                                {"staging_piece_bytes": 2 << 30}])
+def test_bad_staging_options_are_refused_by_name(kw):
+  with pytest.raises((TypeError, ValueError), match=next(iter(kw))):
+    snapstore.SnapshotOptions(**kw)
