@@ -221,12 +221,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   if min_hosts is not None and not 1 <= min_hosts <= num_hosts:
     raise ValueError(f"min_hosts must be between 1 and num_hosts ({num_hosts}), "
                      f"got {min_hosts}")
-  if not 0.0 <= teardown_delay_s < float("inf"):
-    raise ValueError(f"teardown_delay_s must be a finite number >= 0, "
-                     f"got {teardown_delay_s!r}")
-  if not 0.0 <= replacement_delay_s < float("inf"):
-    raise ValueError(f"replacement_delay_s must be a finite number >= 0, "
-                     f"got {replacement_delay_s!r}")
+  _check_delays(replacement_delay_s=replacement_delay_s, teardown_delay_s=teardown_delay_s)
   report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
   report_dir.mkdir(parents=True, exist_ok=True)
   job = _Job(module, list(args), devices_per_host, store_dir, run_id, list(kills),
@@ -250,6 +245,12 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       hosts = shrink_to
   raise RuntimeError(f"job still failing after {max_incarnations} incarnations; "
                      f"logs: {log_dir or 'pass log_dir'}")
+
+
+def _check_delays(**delays: float) -> None:
+  for name, value in delays.items():
+    if not 0.0 <= value < float("inf"):
+      raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclasses.dataclass
