@@ -34,6 +34,12 @@ JSON and writes ``--out``, every figure of one run:
   checked) against a raw ``device_put`` of the same bytes, and, with
   ``link``, the small budget's bound (no snapshot + 1.2 x state bytes over
   the 4 MiB link);
+* ``host``: the drain's fused copy with crc32c on 1, 2, 4 and 8 threads,
+  and (with ``link``) the cores a host needs to keep up with 1, 4 and 8
+  chips;
+* ``model``: the demo's flax transformer sized by ``--model`` (default
+  ~1.4 GiB of params and adam state), trained with a snapshot every step
+  against none, and a bitwise restore;
 * ``recovery`` (GPU only): ``snapstore.recovery.set_flags`` (JAX's
   documented flag set), then a recoverable one-process job
   (``jax_enable_recoverability``, ``live_devices``) running a jitted step.
@@ -383,6 +389,102 @@ def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: in
   return out
 
 
+def host(mb: int, repeats: int, threads: Sequence[int] = (1, 2, 4, 8),
+         link_gbps: float | None = None) -> dict[str, Any]:
+  """The host's share of a save: the drain's fused copy with its crc32c
+  (``snapstore._checksum.copy_crc``, 16 MiB chunks, what the drain runs on
+  its pool) of ``mb`` MiB into memory touched before, on each number of
+  ``threads``; with ``link_gbps``, the cores that keep up with 1, 4 and 8
+  chips of that link each."""
+  import math
+  from concurrent import futures
+
+  from snapstore._checksum import copy_crc
+  size = mb << 20
+  src = np.arange(size // 4, dtype=np.uint32).view(np.uint8)
+  dst = np.zeros(size, np.uint8)
+  chunk = 16 << 20
+  out: dict[str, Any] = {"mb": mb, "cores": os.cpu_count()}
+  for n in threads:
+    with futures.ThreadPoolExecutor(n) as pool:
+      def run(pool: futures.Executor = pool) -> None:
+        list(pool.map(lambda a: copy_crc(dst[a:a + chunk], src[a:a + chunk], 0),
+                      range(0, size, chunk)))
+      run()
+      best = float("inf")
+      for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+    out[f"copy_crc_{n}_threads_gbps"] = _gbps(size, best)
+  one = out[f"copy_crc_{threads[0]}_threads_gbps"] / threads[0]
+  out["copy_crc_gbps_a_core"] = round(one, 2)
+  if link_gbps:
+    out["cores_to_keep_up"] = {f"{chips}_chips": math.ceil(chips * link_gbps / one)
+                               for chips in (1, 4, 8)}
+  return out
+
+
+def model(steps: int, rounds: int, repeats: int, *, dim: int, layers: int, vocab: int,
+          seq: int, batch: int) -> dict[str, Any]:
+  """The demo's flax transformer (adam), sized by the arguments, trained on
+  the device with a snapshot every step (host files, defaults) against
+  none; its train state's bytes, and a restore of the last snapshot,
+  bitwise checked."""
+  import jax
+
+  from snapstore.demo.example import ModelConfig, Trainer
+  cfg = ModelConfig(vocab=vocab, dim=dim, heads=max(1, dim // 128), layers=layers, seq=seq,
+                    batch=batch, lr=1e-4)
+  tr = Trainer(cfg)
+  state = tr.init_state()
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  out: dict[str, Any] = {"state_mb": round(nbytes / 2**20, 1), "leaves":
+                         len(jax.tree.leaves(state)), "dim": dim, "layers": layers,
+                         "seq": seq, "batch": batch}
+  step = 0
+
+  def loop(mgr: Any | None) -> float:
+    nonlocal state, step
+    t = time.perf_counter()
+    for _ in range(steps):
+      step += 1
+      state, loss = tr.step(state, step)
+      if mgr is not None:
+        mgr.save(step, state)
+    jax.block_until_ready((state, loss))
+    took = time.perf_counter() - t
+    if mgr is not None:
+      mgr.wait_until_finished()
+    return took / steps
+
+  d = ram_dir("snapstore-dc-")
+  try:
+    with manager("host_files", str(d)) as mgr:
+      loop(mgr)  # compiles, and the first save makes the store
+      none, snap = float("inf"), float("inf")
+      for _ in range(rounds):
+        none = min(none, loop(None))
+        snap = min(snap, loop(mgr))
+      m = mgr.metrics
+      out.update(step_ms_none=round(none * 1e3, 2), step_ms_every_1=round(snap * 1e3, 2),
+                 over_none=round(snap / none, 4), staged_bytes=m.staged_bytes,
+                 stall_ms_last=round(m.stall_seconds * 1e3, 2))
+      step += 1
+      state, _ = tr.step(state, step)
+      mgr.save(step, state)
+      expected = jax.device_get(state)
+      mgr.wait_until_finished()
+      t = time.perf_counter()
+      r = mgr.restore(tr.abstract_state())
+      jax.block_until_ready(r.state)
+      out.update(restore_s=round(time.perf_counter() - t, 4), restored_step=r.step,
+                 bitwise_equal=_equal(r.state, expected))
+  finally:
+    cleanup(d)
+  return out
+
+
 def orbax(state: Any, repeats: int, snapstore_restore_s: float) -> dict[str, Any]:
   """Orbax's StandardCheckpointer on a local directory, the same state."""
   import jax
@@ -463,8 +565,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--sections", nargs="+",
                  default=["capture", "link", "stores", "overhead", "per_step"],
-                 choices=["capture", "link", "stores", "overhead", "per_step"],
+                 choices=["capture", "link", "stores", "overhead", "per_step", "host",
+                          "model"],
                  help="stores includes the Orbax comparison")
+  p.add_argument("--model", type=int, nargs=5, default=[1024, 8, 8192, 512, 8],
+                 metavar=("DIM", "LAYERS", "VOCAB", "SEQ", "BATCH"),
+                 help="model: the transformer's size (the default: ~1.4 GiB of train state)")
   p.add_argument("--out", default="bench-results/device_check.json")
   p.add_argument("--cpu", action="store_true",
                  help="run on the CPU anyway: a smoke test of this script, not a measurement")
@@ -499,6 +605,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                     a.repeats, a.per_step_stores, gbps,
                                                     a.staging)
                        for mb in a.state_mb for ms in a.step_ms}
+  if "host" in a.sections:
+    out["host"] = host(a.mb, a.repeats, link_gbps=out.get("link", {}).get(
+        "d2h_4mb_pieces_gbps"))
+  if "model" in a.sections:
+    dim, layers, vocab, seq, batch = a.model
+    try:
+      out["model"] = model(a.per_step_steps, a.rounds, a.repeats, dim=dim, layers=layers,
+                           vocab=vocab, seq=seq, batch=batch)
+    except ImportError as e:  # flax/optax are the demo's extra
+      out["model"] = {"skipped": f"needs snapstore[demo]: {e}"}
   if gpu:
     out["recovery"] = recovery_check()
   emit("device_check", out, a.out)

@@ -81,6 +81,17 @@ def test_device_check_runs_every_section_on_cpu_devices_bitwise(tmp_path):
     assert row[name]["staged_bytes"] == 8 << 20, row[name]
 
 
+def test_device_check_host_and_model_sections_on_cpu(tmp_path):
+  result = _run(device_check, ["--cpu", "--sections", "host", "model", "--mb", "32",
+                               "--model", "32", "1", "64", "16", "8", "--per-step-steps", "2",
+                               "--rounds", "1", "--repeats", "1"],
+                tmp_path / "device_check.json")
+  _positive(*(result["host"][f"copy_crc_{n}_threads_gbps"] for n in (1, 2, 4, 8)))
+  m = result["model"]
+  assert m["bitwise_equal"] and m["restored_step"] == 7, m  # (2 + 2 + 2 steps, then 1)
+  _positive(m["step_ms_none"], m["step_ms_every_1"], m["state_mb"])
+
+
 def test_checksum_benchmark_smoke(tmp_path):
   result = _run(checksum, ["--mb", "4", "--repeats", "2"], tmp_path / "c.json")
   assert set(result["bytes_per_s"]) == {"memcpy", "host_crc32c", "device_sum"}
