@@ -306,6 +306,23 @@ def link(mb: int, repeats: int) -> dict[str, Any]:
         lambda host=host: jax.device_put(host, [dev] * len(host)), repeats))
   whole = np.asarray(jax.device_get(x))
   out["h2d_one_array_gbps"] = _gbps(total, _best(lambda: jax.device_put(whole, dev), repeats))
+  # Into jax.Arrays that stay in host memory (a per-slice store on
+  # Pathways): 16 leaves put at once to each host memory kind, from the
+  # leaves themselves and from fresh copies in device memory.
+  leaves = jax.block_until_ready(jax.jit(lambda a: jnp.split(a, 16))(x))
+  copy = jax.jit(lambda xs: [jnp.array(a, copy=True) for a in xs])
+  for kind in ("pinned_host", "unpinned_host"):
+    try:
+      put = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
+      out[f"d2h_16_leaves_to_{kind}_gbps"] = _gbps(total, _best(
+          lambda put=put: jax.device_put(leaves, [put] * len(leaves)), repeats))
+      out[f"d2h_16_leaf_copies_to_{kind}_gbps"] = _gbps(total, _best(
+          lambda put=put: jax.device_put(copy(leaves), [put] * len(leaves)), repeats))
+      held = jax.block_until_ready(jax.device_put(leaves, [put] * len(leaves)))
+      out[f"h2d_16_leaves_from_{kind}_gbps"] = _gbps(total, _best(
+          lambda held=held: jax.device_put(held, [dev] * len(held)), repeats))
+    except Exception as e:  # noqa: BLE001 - a memory kind this platform lacks
+      out[f"{kind}_error"] = repr(e)[:300]
   return out
 
 
