@@ -196,10 +196,29 @@ class SnapshotManager:
     if step is not None and (type(step) is not int or not 0 <= step <= MAX_INT):
       raise TypeError(f"step must be an int in [0, 2**48] or None, got {step!r}")
     self._lineage_step = None  # a restore starts a new lineage (the result sets its step)
-    result = _restore.Restore(self, abstract_state, step, self._settle_inflight()).run()
+    notes = self._settle_inflight()
+    job = _restore.Restore(_restore.Inputs(
+        backend=self._backend, peers=self._peers, persistent=self.persistent,
+        options=self.options, arenas=self._arenas, host=self.host,
+        newest_step=self._newest_step, incarnation=self.incarnation),
+        abstract_state, step, notes)
+    try:
+      result, outcome = job.run()
+    except BaseException:
+      self._apply(job.outcome)  # what it had agreed (incarnation, lost domains) holds
+      raise
+    self._apply(outcome)
     # every host restored this step: the stores keep it until a newer one is agreed
     self._saver.watermark = result.step if result.source is Source.SNAPSHOT else None
     return result
+
+  def _apply(self, outcome: _restore.Outcome) -> None:
+    """A restore's outcome: with ``save``, the only writer of the fencing state."""
+    self.incarnation, self._lineage_step = outcome.incarnation, outcome.lineage_step
+    if outcome.lost_domains:
+      self.forget_domains(outcome.lost_domains, "its store raised on read")
+      if outcome.active_domains is not None:
+        self._backend.set_active_domains(outcome.active_domains)
 
   def _settle_inflight(self) -> list[str]:
     """Waits for the snapshot in flight; a failed one is noted, not raised."""
