@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from snapstore import _planner
 from snapstore._multihost import agree, moves, sparse
 from snapstore._multihost.collective import NONE, bucket, gather_blobs
 from snapstore._planner import REBUILT
@@ -52,6 +53,18 @@ def test_a_step_whose_hosts_disagree_is_skipped_with_the_reason(manifest):
   got, reasons = _cands(2, stores)
   assert [g[0] for g in got] == [4]
   assert reasons == ["step 5: hosts disagree on the leaves, scalars or extra"]
+
+
+@pytest.mark.parametrize("change", [{"extra": {"host": 1}}, {"num_hosts": 3}])
+def test_the_sparse_and_the_full_restore_refuse_the_same_disagreement(manifest, change):
+  """One rule (``_planner.shared_content``): what the hosts agree on in the
+  sparse restore is what the planner compares over gathered manifests."""
+  ms = [_m(manifest, 0, 5), _m(manifest, 1, 5, **change)]
+  why = "step 5: hosts disagree on the leaves, scalars or extra"
+  assert _cands(2, [[ms[0]], [ms[1]]]) == ([], [why])
+  reasons = []
+  assert _planner.plan_step(5, ms, reasons=reasons) is None and reasons == [why]
+  assert _planner.plan_step(5, [ms[0], _m(manifest, 1, 5)]) is not None
 
 
 def test_a_step_a_newer_incarnation_abandoned_is_fenced(manifest):
