@@ -59,8 +59,9 @@ class SnapshotManager:
     self.num_hosts = jax.process_count()
     self._copy_pool = futures.ThreadPoolExecutor(
         self.options.copy_threads, thread_name_prefix="snapstore-copy")
-    self._backend = _backends.choose(self.options, host=self.host, num_hosts=self.num_hosts,
-                                    slices=slices, pool=self._copy_pool)
+    self._backend = _backends.build_backend(
+        self.options, host=self.host, num_hosts=self.num_hosts, slices=slices,
+        pool=self._copy_pool)
     self._peers = _multihost.for_job(self.host, self.num_hosts)
     if persistent is None or isinstance(persistent, OrbaxTier):
       self.persistent = persistent

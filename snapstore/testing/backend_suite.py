@@ -152,10 +152,10 @@ class BackendSuite:
     slices = {0: devs[:4], 1: devs[4:]} if self.slices else None
     if type(self).make_backend is BackendSuite.make_backend:
       return SnapshotManager(options, slices=slices)
-    # The manager builds its backend with _backends.choose, from options.store
+    # The manager builds its backend with _backends.build_backend, from options.store
     # alone; a backend outside that list replaces it for this construction.
     with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(_backends, "choose", lambda options, *, slices, pool, **_: (
+      patch.setattr(_backends, "build_backend", lambda options, *, slices, pool, **_: (
           self.make_backend(options, slices=slices, pool=pool)))
       return SnapshotManager(options, slices=slices)
 
