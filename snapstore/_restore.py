@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -76,6 +76,18 @@ class Outcome:
   lineage_step: int | None = None
   lost_domains: tuple[int, ...] = ()
   active_domains: tuple[int, ...] | None = None
+
+
+def settle(wait: Callable[[], None]) -> list[str]:
+  """Waits for the snapshot in flight (``wait``: the manager's
+  ``wait_until_finished``); a failed one is noted for the restore's
+  notes, not raised."""
+  try:
+    wait()
+  except errors.DrainFailedError as e:  # e.g. its slice died mid-copy
+    logger.warning("the snapshot in flight was not completed and is not used: %s", e)
+    return [f"the snapshot in flight was not completed and is not used: {e}"]
+  return []
 
 
 class Restore:

@@ -1,11 +1,12 @@
-"""A restore returns its outcome; the manager alone writes its fencing state
-(host-file store, one process, 8 CPU devices)."""
+"""A restore returns its outcome; the manager alone writes its fencing state;
+one error type per misuse (host-file store, one process, 8 CPU devices)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import snapstore
@@ -70,3 +71,25 @@ def test_a_fenced_older_incarnation_still_cannot_write(store_dir):
     r = mgr.restore(abstract())
   assert r.step == 4 and r.source is snapstore.Source.SNAPSHOT
   assert_bitwise_equal(refs[4], r.state)
+
+
+@pytest.mark.parametrize("step", ["2", 2.0, -1, True, 2**48 + 1])
+def test_a_bad_step_is_one_error_in_save_and_restore(store_dir, step):
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    save_steps(mgr, [1])
+    for call in (lambda: mgr.save(step, state_at(2)), lambda: mgr.restore(abstract(), step=step)):
+      with pytest.raises(snapstore.InvalidStepError, match="step must be an int") as e:
+        call()
+      assert isinstance(e.value, snapstore.SnapstoreError) and isinstance(e.value, ValueError)
+    assert mgr.restore(abstract()).step == 1  # nothing changed
+
+
+def test_a_closed_manager_raises_closed_error(store_dir):
+  mgr = snapstore.SnapshotManager(opts(store_dir))
+  save_steps(mgr, [1])
+  mgr.close()
+  mgr.close()  # idempotent
+  for call in (lambda: mgr.save(2, state_at(2)), lambda: mgr.restore(abstract())):
+    with pytest.raises(snapstore.ClosedError, match="closed") as e:
+      call()
+    assert isinstance(e.value, snapstore.SnapstoreError) and isinstance(e.value, RuntimeError)

@@ -178,11 +178,9 @@ class BackendSuite:
     """One snapshot through the Backend protocol alone: capture, then drain."""
     backend = mgr._backend
     specs, leaves, _ = flatten(state)
-    header = _backends.Header(
-        run_id=mgr.options.run_id, incarnation=mgr.incarnation, step=step,
-        num_hosts=max(jax.process_count(), len(backend.store_ids())),
-        tree_digest=tree_digest(specs), chunk_bytes=mgr.options.chunk_bytes,
-        leaves=tuple(specs), extra=None)
+    header = _backends.Header.for_snapshot(
+        mgr.options, incarnation=mgr.incarnation, step=step,
+        num_hosts=max(jax.process_count(), len(backend.store_ids())), specs=specs, extra=None)
     return backend.drain(backend.capture(header, specs, leaves, replicas=replicas))
 
   @staticmethod
