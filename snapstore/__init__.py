@@ -5,9 +5,11 @@ from ._manager import SnapshotManager as SnapshotManager
 from ._persistent import OrbaxTier as OrbaxTier
 from .errors import (
     BudgetExceededError as BudgetExceededError,
+    ClosedError as ClosedError,
     CorruptSnapshotError as CorruptSnapshotError,
     DeletedLeafError as DeletedLeafError,
     DrainFailedError as DrainFailedError,
+    InvalidStepError as InvalidStepError,
     NothingToRestoreError as NothingToRestoreError,
     SnapstoreError as SnapstoreError,
     StepNotFoundError as StepNotFoundError,
@@ -37,8 +39,8 @@ from .options import (
 __version__ = "0.9.0"
 
 __all__ = [
-    "AutoInterval", "BudgetExceededError", "BusyPolicy", "CorruptSnapshotError", "DeletedLeafError",
-    "DrainFailedError", "Every", "FailurePolicy",
+    "AutoInterval", "BudgetExceededError", "BusyPolicy", "ClosedError", "CorruptSnapshotError",
+    "DeletedLeafError", "DrainFailedError", "Every", "FailurePolicy", "InvalidStepError",
     "NothingToRestoreError", "OrbaxTier", "Parity", "Replicas", "RestoreResult", "SaveMetrics",
     "SnapshotManager", "SnapshotOptions",
     "SnapstoreError", "Source", "Staging", "StepNotFoundError", "StepOrderError", "StoreError",

@@ -18,6 +18,11 @@ does not check (over two axes at once, transposed meshes) may meet an old
 communicator: the step then keeps failing and
 :class:`snapstore.recovery.RestartRequired` ends in a full restart, never in
 a wrong state.
+
+The job's membership (:func:`membership`, :func:`processes`) and the
+``InPlace.live()`` block this process is in (:func:`failed_in_block`) are
+kept here too, set by :mod:`snapstore.recovery.in_place` and read by the
+Orbax tier and its barrier, which need not import in-place recovery.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import hashlib
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -68,6 +74,30 @@ def set_membership(name: str | None, members: tuple[int, ...] | None = None) -> 
   """Sets the name and, when not every process is one, the members."""
   global _membership, _processes
   _membership, _processes = name, members
+
+
+_block_failure: str | None = None  # the failure key of the live() block this process is in
+
+
+def set_block_failure(key: str | None) -> None:
+  """Sets the failure key of the ``InPlace.live()`` block this process is
+  in (None: outside every block)."""
+  global _block_failure
+  _block_failure = key
+
+
+def failed_in_block(client: Any) -> str | None:
+  """The process whose step failed in the ``live()`` block this process is
+  in (it wrote the block's failure key to ``client``, the coordination
+  service), or None: for a wait inside the block that is no collective (an
+  Orbax barrier), which that process will never reach."""
+  key = _block_failure
+  if key is None:
+    return None
+  try:
+    return str(client.key_value_try_get(key))
+  except Exception:  # noqa: BLE001  (NOT_FOUND: none failed)
+    return None
 
 
 def rekey_needed(platform: str) -> bool:

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import msgpack
@@ -23,7 +23,9 @@ from etils import epath
 
 from . import _devices, errors
 from ._tree import LeafKind, LeafSpec, spec_from_row, spec_row, target_sharding
-from .recovery import OrbaxBarrier
+
+if TYPE_CHECKING:
+  from .recovery import OrbaxBarrier
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class OrbaxTier:
         ocp.CheckpointManagerOptions)}:
       options["save_root_metadata"] = False
     if jax.process_count() > 1 and getattr(jax.config, "jax_enable_recoverability", False):
+      from .recovery import OrbaxBarrier  # (a recoverable job: loaded; else never needed)
       self._barrier = OrbaxBarrier()
       options["async_options"] = ocp.AsyncOptions(barrier_sync_fn=self._barrier)
       members = _devices.processes()

@@ -109,12 +109,16 @@ def fence(manifests: Iterable[Manifest]) -> list[Manifest]:
   return out
 
 
-def _shared_content(m: Manifest) -> bytes:
+def shared_content(m: Manifest) -> bytes:
   """What every store's manifest of one step must agree on, as bytes
-  (``==`` on values would call NaN unequal to itself, and True equal to 1.0)."""
-  return msgpack.packb([[spec_row(s) for s in m.leaves],
-                        sorted(m.scalars.items()), m.extra, m.chunk_bytes],
-                       use_bin_type=True)
+  (``==`` on values would call NaN unequal to itself, and True equal to
+  1.0): the leaves, scalars, ``extra``, chunk size, tree digest and saved
+  job size. The one rule for both restores: :func:`plan_step` compares it
+  over the gathered manifests; the sparse restore agrees on its digest and
+  sends it as the header a host without the step receives
+  (:mod:`snapstore._multihost.agree`, :mod:`snapstore._multihost.sparse`)."""
+  return msgpack.packb([[spec_row(s) for s in m.leaves], sorted(m.scalars.items()), m.extra,
+                        m.chunk_bytes, m.tree_digest, m.num_hosts], use_bin_type=True)
 
 
 def plan_step(step: int, manifests: Sequence[Manifest], *,
@@ -135,7 +139,7 @@ def plan_step(step: int, manifests: Sequence[Manifest], *,
       reasons.append(f"step {step}: hosts disagree on the tree structure")
     return None
   ref = ms[0]
-  if len({_shared_content(m) for m in ms}) > 1:
+  if len({shared_content(m) for m in ms}) > 1:
     why = f"step {step}: hosts disagree on the leaves, scalars or extra"
     logger.warning(why)
     if reasons is not None:

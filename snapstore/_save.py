@@ -44,6 +44,7 @@ class Saver:
                reduce_min: Callable[[np.ndarray], np.ndarray] = lambda v: v) -> None:
     self.backend, self.options, self.metrics = backend, options, metrics
     self.schedule, self.arenas = schedule, arenas
+    metrics.interval, metrics.interval_reason = schedule.interval, schedule.reason
     self.reduce_min = reduce_min
     # the newest step every store held at the last agreement (None: none yet)
     self.watermark: int | None = None
@@ -56,6 +57,12 @@ class Saver:
 
   def running(self) -> bool:
     return self.inflight is not None and not self.inflight.done()
+
+  def due(self, step: int, t_enter: float) -> bool:
+    """Whether the schedule says ``step`` (entered at ``t_enter``) is a
+    snapshot step: the time since the last drain ended counts, or none
+    while one runs."""
+    return self.schedule.due(step, t_enter, t_enter if self.running() else self.done_at)
 
   def start(self, step: int, header: _backends.Header, specs: Sequence[LeafSpec],
             leaves: Sequence[Any], t_enter: float) -> bool:

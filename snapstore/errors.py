@@ -66,6 +66,15 @@ class UnsupportedLeafError(SnapstoreError, TypeError):
     self.leaf = leaf
 
 
+class InvalidStepError(SnapstoreError, ValueError):
+  """A ``step`` that is not an int in [0, 2**48] (``save``; ``restore``,
+  where None is also allowed). Nothing was saved or restored."""
+
+
+class ClosedError(SnapstoreError, RuntimeError):
+  """A :class:`snapstore.SnapshotManager` was used after its ``close``."""
+
+
 class StepOrderError(SnapstoreError, ValueError):
   """``save`` was given a step older than one this manager saved since it
   was made or last restored: restore first (a restore starts a new

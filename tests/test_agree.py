@@ -1,24 +1,26 @@
 """The sparse restore's agreement, needs and rounds, on one process (the real
-collectives run in tests/test_multihost.py; the scale in benchmarks.scale)."""
+collectives run in tests/test_multihost.py; the scale in benchmarks.scale, whose
+smoke test is in tests/test_benchmarks.py)."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
+from snapstore import _planner
 from snapstore._multihost import agree, moves, sparse
 from snapstore._multihost.collective import NONE, bucket, gather_blobs
 from snapstore._planner import REBUILT
+from snapstore.testing.job_layout import STEPS, Layout, targets_of
+from snapstore.testing.lockstep import lockstep
 
 
 def _hosts(n, fn):
-  from benchmarks.scale import lockstep
   return lockstep(n, list(range(n)), fn)
 
 
 @pytest.fixture(scope="module")
 def manifest():
-  from benchmarks.scale import Layout
   return Layout(2).manifest(0, 1, 0, parity=False)
 
 
@@ -51,6 +53,18 @@ def test_a_step_whose_hosts_disagree_is_skipped_with_the_reason(manifest):
   got, reasons = _cands(2, stores)
   assert [g[0] for g in got] == [4]
   assert reasons == ["step 5: hosts disagree on the leaves, scalars or extra"]
+
+
+@pytest.mark.parametrize("change", [{"extra": {"host": 1}}, {"num_hosts": 3}])
+def test_the_sparse_and_the_full_restore_refuse_the_same_disagreement(manifest, change):
+  """One rule (``_planner.shared_content``): what the hosts agree on in the
+  sparse restore is what the planner compares over gathered manifests."""
+  ms = [_m(manifest, 0, 5), _m(manifest, 1, 5, **change)]
+  why = "step 5: hosts disagree on the leaves, scalars or extra"
+  assert _cands(2, [[ms[0]], [ms[1]]]) == ([], [why])
+  reasons = []
+  assert _planner.plan_step(5, ms, reasons=reasons) is None and reasons == [why]
+  assert _planner.plan_step(5, [ms[0], _m(manifest, 1, 5)]) is not None
 
 
 def test_a_step_a_newer_incarnation_abandoned_is_fenced(manifest):
@@ -138,32 +152,12 @@ def test_collective_buckets_grow_by_at_most_an_eighth():
     assert n <= bucket(n) <= max(64, n + n // 8)
 
 
-def test_scale_benchmark_one_host_lost_only_its_replacement_receives_its_share(tmp_path):
-  from benchmarks import scale
-  out = scale.main(["--sizes", "8", "16", "--cases", "none", "one", "two",
-                    "--redundancy", "replicas", "--out", str(tmp_path / "s.json")])
-  rows = {(r["n"], r["case"]): r for r in out["rows"]}
-  for n in (8, 16):
-    assert rows[(n, "none")]["verdict"] == "snapshot"
-    assert set(rows[(n, "none")]["state_received"].values()) == {0}
-    one = rows[(n, "one")]
-    assert one["verdict"] == "snapshot"
-    got = one["state_received"]
-    lost = n // 2
-    # its share, less the replicated leaves counted once a device in the share
-    assert 0 < one["state_share_bytes"] - got[lost] < 4096, (got, one["state_share_bytes"])
-    assert all(v == 0 for h, v in got.items() if h != lost)
-    assert rows[(n, "two")]["verdict"] == "persistent"  # a host and its keeper lost
-    assert rows[(n, "one")]["payload_received_max"] < 1 << 20
-
-
 @pytest.mark.parametrize("shift", [1, 2])
 def test_keepers_are_found_whatever_domain_size_the_save_used(shift):
   """Saved with failure domains of ``shift`` hosts (the ring keeps host h's
   replicas on h + shift), restored by a job that knows nothing of it: every
   piece of the lost host comes from its keeper, found by the holders'
   minimum, not derived from options (no full exchange is needed)."""
-  from benchmarks.scale import STEPS, Layout, targets_of
   n, lost = 8, 4
   layout = Layout(n)
   stores = {h: [] if h == lost else [layout.manifest(h, s, i, parity=False, shift=shift)
@@ -238,7 +232,6 @@ def test_a_live_host_s_bad_copy_is_rebuilt_from_its_stripe():
   """No host lost; host 2's own copy of one protected piece failed its check
   (parity: no other copy): its stripe rebuilds it for host 2, not an older
   step."""
-  from benchmarks.scale import STEPS, Layout, targets_of
   n = 4
   layout = Layout(n)
   stores = {h: [layout.manifest(h, s, i, parity=True) for i, s in enumerate(STEPS)]

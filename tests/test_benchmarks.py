@@ -19,6 +19,7 @@ from benchmarks import (
   resize,
   restore,
   rewind,
+  scale,
   soak,
   vs_orbax,
   vs_orbax_snapshotter,
@@ -192,6 +193,24 @@ def test_parity_benchmark_keeps_a_third_of_the_replica_bytes_and_restores_bitwis
   assert result["parity"]["ram_bytes_per_host_max"] < result["replica"]["ram_bytes_per_host_max"]
   plans = {p["option"]: p for p in result["v5p_capacity"]["options"]}
   assert plans["parity k=3"]["extra"] * 3 == pytest.approx(plans["replicas=1"]["extra"], rel=1e-6)
+
+
+def test_scale_benchmark_one_host_lost_only_its_replacement_receives_its_share(tmp_path):
+  out = scale.main(["--sizes", "8", "16", "--cases", "none", "one", "two",
+                    "--redundancy", "replicas", "--out", str(tmp_path / "s.json")])
+  rows = {(r["n"], r["case"]): r for r in out["rows"]}
+  for n in (8, 16):
+    assert rows[(n, "none")]["verdict"] == "snapshot"
+    assert set(rows[(n, "none")]["state_received"].values()) == {0}
+    one = rows[(n, "one")]
+    assert one["verdict"] == "snapshot"
+    got = one["state_received"]
+    lost = n // 2
+    # its share, less the replicated leaves counted once a device in the share
+    assert 0 < one["state_share_bytes"] - got[lost] < 4096, (got, one["state_share_bytes"])
+    assert all(v == 0 for h, v in got.items() if h != lost)
+    assert rows[(n, "two")]["verdict"] == "persistent"  # a host and its keeper lost
+    assert rows[(n, "one")]["payload_received_max"] < 1 << 20
 
 
 def test_goodput_presets_and_curves(tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +100,14 @@ def test_every_package_is_shipped():
   found = {".".join((*prefix[top], *p.parent.relative_to(ROOT / top).parts))
            for top in prefix for p in (ROOT / top).rglob("__init__.py")}
   assert found - listed == set(), found - listed
+
+
+def test_importing_snapstore_does_not_load_in_place_recovery():
+  """``import snapstore`` loads the engine only: ``snapstore.recovery``
+  (in-place recovery, private JAX) is loaded by a job that uses it (its
+  Orbax barrier is imported where a recoverable job makes one)."""
+  code = ("import sys, snapstore; "
+          "print(sorted(m for m in sys.modules if m.startswith('snapstore.recovery')))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
+                       capture_output=True, text=True).stdout
+  assert out.strip() == "[]", out

@@ -58,6 +58,26 @@ def test_only_cpu_draws_new_device_orders():
   assert not _devices.rekey_needed("gpu") and not _devices.rekey_needed("tpu")
 
 
+def test_the_live_block_s_failure_is_read_from_the_service_while_in_the_block():
+  """An Orbax barrier asks who failed the ``live()`` block it waits in: the
+  block state lives here, below both ``InPlace`` and the barrier."""
+  from snapstore import recovery
+
+  class Client:  # the coordination service's key-value store
+    def key_value_try_get(self, key):
+      return {"failed/blk/1": "2"}[key]  # (NOT_FOUND: KeyError here)
+
+  assert recovery.failed_in_block is _devices.failed_in_block
+  assert _devices.failed_in_block(Client()) is None  # outside every block
+  try:
+    _devices.set_block_failure("failed/blk/1")
+    assert _devices.failed_in_block(Client()) == "2"
+    _devices.set_block_failure("failed/blk/2")
+    assert _devices.failed_in_block(Client()) is None  # none failed this block
+  finally:
+    _devices.set_block_failure(None)
+
+
 def test_no_order_left_is_none():
   devices = [Dev(0), Dev(1)]
   used = {(0, 1), (1, 0)}

@@ -67,7 +67,7 @@ def test_a_step_that_is_no_int_is_refused_as_such(store_dir, step):
   with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
     mgr.save(2, state)
     mgr.wait_until_finished()
-    with pytest.raises(TypeError, match="step must be an int"):
+    with pytest.raises(snapstore.InvalidStepError, match="step must be an int"):
       mgr.restore(state, step=step)
     assert mgr.restore(state, step=2).step == 2
 

@@ -2,7 +2,7 @@
 
 ``hostfiles``: files on a RAM disk, one store per process (or per failure
 domain on a single controller). ``pinned``: ``pinned_host`` arrays per failure
-domain, held by a single controller. :func:`choose` is the only place that
+domain, held by a single controller. :func:`build_backend` is the only place that
 looks at :class:`StoreKind`.
 """
 
@@ -27,7 +27,7 @@ __all__ = [
   "Header",
   "HostFilesBackend",
   "PinnedHostBackend",
-  "choose",
+  "build_backend",
   "host_dir",
   "open_regular",
   "read_progress",
@@ -51,9 +51,9 @@ def resolve_kind(kind: StoreKind, slices: Mapping[int, Sequence[jax.Device]] | N
   return kind
 
 
-def choose(options: SnapshotOptions, *, host: int, num_hosts: int,
-           slices: Mapping[int, Sequence[jax.Device]] | None,
-           pool: futures.Executor) -> Backend[Any]:
+def build_backend(options: SnapshotOptions, *, host: int, num_hosts: int,
+                  slices: Mapping[int, Sequence[jax.Device]] | None,
+                  pool: futures.Executor) -> Backend[Any]:
   """The backend for ``options.store`` (AUTO resolved), built once."""
   if slices is not None and num_hosts > 1:
     raise ValueError("slices= is for a single controller (one process); with "

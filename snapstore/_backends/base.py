@@ -30,8 +30,8 @@ from typing import Any, Protocol, TypeVar
 from .. import _planner
 from .._assemble import PieceSource
 from .._manifest import Manifest
-from .._tree import LeafSpec
-from ..options import StoreKind
+from .._tree import LeafSpec, tree_digest
+from ..options import SnapshotOptions, StoreKind
 
 # read_progress() of a store that was never asked to save.
 NO_PROGRESS = (-1, -1)
@@ -51,6 +51,16 @@ class Header:
   extra: Any
   # the job's retention watermark (:mod:`.._watermark`), agreed at capture
   watermark: int = -1
+
+  @classmethod
+  def for_snapshot(cls, options: SnapshotOptions, *, incarnation: int, step: int,
+                   num_hosts: int, specs: Sequence[LeafSpec], extra: Any) -> Header:
+    """The header of ``step``'s snapshot of a state flattened to ``specs``
+    (the one place its fields are filled: the manager's saves, the
+    backend suite's)."""
+    return cls(run_id=options.run_id, incarnation=incarnation, step=step,
+               num_hosts=num_hosts, tree_digest=tree_digest(specs),
+               chunk_bytes=options.chunk_bytes, leaves=tuple(specs), extra=extra)
 
   @property
   def kept_step(self) -> int | None:

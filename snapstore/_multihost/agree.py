@@ -12,7 +12,8 @@ candidate steps freshest first, each found by one maximum over the hosts:
    restored from before ``s`` and went on), and the next step below ``s``
    (one :func:`max64`);
 3. the hosts holding ``s`` at that incarnation (one bitmap: a bit a host),
-   the least and greatest digest of what they must agree on (the tree, the
+   the least and greatest digest of what they must agree on
+   (:func:`snapstore._planner.shared_content`: the tree, the
    leaves, the scalars, the ``extra``, the chunk size, the saved job size)
    and whether any holds parity (one :func:`min64`).
 
@@ -27,24 +28,14 @@ import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
 
-import msgpack
 import numpy as np
 
 from .. import _planner
 from .._manifest import Manifest
-from .._tree import spec_row
 from .collective import NONE, Collective
 
 #: The least value :func:`min64` and :func:`max64` take (and "none" for max64).
 LEAST = -(1 << 60)
-
-
-def shared_content(m: Manifest) -> bytes:
-  """What every store's manifest of one step must agree on, as bytes
-  (``==`` on values would call NaN unequal to itself, and True equal to
-  1.0): the header a host without the step receives (:mod:`snapstore._multihost.sparse`)."""
-  return msgpack.packb([[spec_row(s) for s in m.leaves], sorted(m.scalars.items()), m.extra,
-                        m.chunk_bytes, m.tree_digest, m.num_hosts], use_bin_type=True)
 
 
 def digest_of(content: bytes) -> int:
@@ -114,7 +105,7 @@ def candidates(coll: Collective, manifests: Sequence[Manifest], *, step: int | N
       if holds:
         bits[coll.host // 8] = 1 << (coll.host % 8)
       holders = _hosts(coll.reduce_or(bits), coll.num_hosts)
-      digest = digest_of(shared_content(mine[s])) if holds else None
+      digest = digest_of(_planner.shared_content(mine[s])) if holds else None
       parity = bool(holds and mine[s].parity)
       lo, neg_hi, neg_parity = min64(coll, [
           digest if digest is not None else -LEAST - 1,

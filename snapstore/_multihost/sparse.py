@@ -41,10 +41,10 @@ from .._assemble import _wanted
 from .._checksum import ChecksumKind
 from .._index import Index, full, nbytes as index_nbytes
 from .._manifest import Manifest, PieceRecord, PieceTable
-from .._planner import REBUILT, CopyKey
+from .._planner import REBUILT, CopyKey, shared_content
 from .._tree import LeafKind, LeafSpec, check_compatible, spec_from_row, target_sharding
 from . import rebuild
-from .agree import Candidate, digest_of, shared_content
+from .agree import Candidate, digest_of
 from .collective import NONE, Collective, gather_blobs
 
 #: The most bytes one point-to-point transfer carries (more: several rounds).

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from .. import _devices, _jax_private, _reports
+from .._devices import failed_in_block as failed_in_block
 from ..errors import MembersMissing, PeerFailed, RestartRequired
 from . import watchdog
 from .service import gloo_ports, service_ports
@@ -35,22 +36,6 @@ _FAILED = "snapstore/failed"  # membership/block -> the process whose step faile
 _LEFT = "snapstore/left"  # processes that reached close() and disconnected
 _DONE = "snapstore/closing"  # processes that reached close()
 DEFAULT_ABORT_AFTER_S = 3.0
-_block_failure: str | None = None  # the key of the live() block this process is in
-
-
-def failed_in_block(client: Any) -> str | None:
-  """The process whose step failed in the ``live()`` block this process is
-  in (it wrote the block's failure key), or None: for a wait inside the
-  block that is no collective (an Orbax barrier), which that process will
-  never reach."""
-  key = _block_failure
-  if key is None:
-    return None
-  try:
-    return str(client.key_value_try_get(key))
-  except Exception:  # noqa: BLE001  (NOT_FOUND: none failed)
-    return None
-
 
 MIN_HOSTS_ENV = "SNAPSTORE_MIN_HOSTS"  # InPlace's default min_hosts (launch --min-hosts)
 REPLACEMENT_WAIT_ENV = "SNAPSTORE_REPLACEMENT_WAIT_S"  # ... and replacement_wait_s
@@ -216,7 +201,6 @@ class InPlace:
     process is missing; on exit ``ProcessFailureError`` if one died, or
     :class:`PeerFailed` if the body raised on another process: a failure
     anywhere fails the step everywhere, so every process restores together."""
-    global _block_failure
     self._body_failed = False
     with self._live_devices(self._all) as devices:
       live = self._live_devices.devices
@@ -257,12 +241,12 @@ class InPlace:
         self._dirty = False
         self._waiting_since = None
         self._block_since = time.monotonic()
-        _block_failure = failure
+        _devices.set_block_failure(failure)
         try:
           yield self.devices
         finally:
           self._block_since = None
-          _block_failure = None
+          _devices.set_block_failure(None)
       except Exception:  # tell the others before the exit barrier
         self._body_failed = True
         with contextlib.suppress(Exception):

@@ -164,8 +164,7 @@ class Barrier:
     (the lead judges those that did not arrive, and tells the rest under
     ``{where}/failed``; the others judge the lead), ``PeerFailed`` if a
     process's step failed in this ``live()`` block (it will not come)."""
-    from .in_place import failed_in_block  # (in_place imports this module, via service)
-    who = failed_in_block(client)
+    who = _devices.failed_in_block(client)
     if who is not None:
       raise PeerFailed(f"process {who} failed this step while the others waited at Orbax "
                        f"barrier {key!r}")

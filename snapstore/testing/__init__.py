@@ -10,6 +10,10 @@ side of it, and the conformance suite every snapshot backend passes.
 - :mod:`.backend_suite`: ``BackendSuite``, the conformance suite a snapshot
   backend's test module subclasses (needs pytest; not imported here).
 - :mod:`.checks`: ``assert_bitwise_equal`` and ``host_copy``.
+- :mod:`.lockstep` and :mod:`.job_layout`: a multi-controller job's
+  collective stood in for in one process (its hosts as threads in lockstep),
+  and a large job's layout and manifests; the sparse restore's tests and
+  ``benchmarks.scale`` use them (not imported here).
 """
 
 from .supervisor import (

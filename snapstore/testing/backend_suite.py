@@ -152,10 +152,10 @@ class BackendSuite:
     slices = {0: devs[:4], 1: devs[4:]} if self.slices else None
     if type(self).make_backend is BackendSuite.make_backend:
       return SnapshotManager(options, slices=slices)
-    # The manager builds its backend with _backends.choose, from options.store
+    # The manager builds its backend with _backends.build_backend, from options.store
     # alone; a backend outside that list replaces it for this construction.
     with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(_backends, "choose", lambda options, *, slices, pool, **_: (
+      patch.setattr(_backends, "build_backend", lambda options, *, slices, pool, **_: (
           self.make_backend(options, slices=slices, pool=pool)))
       return SnapshotManager(options, slices=slices)
 
@@ -178,11 +178,9 @@ class BackendSuite:
     """One snapshot through the Backend protocol alone: capture, then drain."""
     backend = mgr._backend
     specs, leaves, _ = flatten(state)
-    header = _backends.Header(
-        run_id=mgr.options.run_id, incarnation=mgr.incarnation, step=step,
-        num_hosts=max(jax.process_count(), len(backend.store_ids())),
-        tree_digest=tree_digest(specs), chunk_bytes=mgr.options.chunk_bytes,
-        leaves=tuple(specs), extra=None)
+    header = _backends.Header.for_snapshot(
+        mgr.options, incarnation=mgr.incarnation, step=step,
+        num_hosts=max(jax.process_count(), len(backend.store_ids())), specs=specs, extra=None)
     return backend.drain(backend.capture(header, specs, leaves, replicas=replicas))
 
   @staticmethod
