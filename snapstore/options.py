@@ -230,7 +230,7 @@ class SnapshotOptions:
   staging_budget_bytes: int | None = None
   staging_piece_bytes: int = 4 << 20
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.interval, (Every, AutoInterval)):
       raise TypeError(f"interval must be Every(steps) or AutoInterval(host_mtbf_s=...), "
                       f"got {self.interval!r}")
