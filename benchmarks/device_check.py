@@ -149,6 +149,18 @@ def _abstract(state: Any) -> Any:
                       state)
 
 
+def _restores(mgr: Any, state: Any, repeats: int) -> tuple[Any, float]:
+  """The last of ``repeats`` restores into ``state``'s layout, and the best time."""
+  import jax
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    r = mgr.restore(_abstract(state))
+    jax.block_until_ready(r.state)
+    best = min(best, time.perf_counter() - t)
+  return r, best
+
+
 def _equal(a: Any, b: Any) -> bool:
   """Same structure, dtypes and bytes (:func:`snapstore.testing.checks.assert_bitwise_equal`)."""
   from snapstore.testing.checks import assert_bitwise_equal
@@ -179,19 +191,14 @@ def stores(state: Any, repeats: int) -> dict[str, Any]:
           returns.append(time.perf_counter() - t)
           mgr.wait_until_finished()
           completes.append(time.perf_counter() - t)
-        restores = []
-        for _ in range(repeats):
-          t = time.perf_counter()
-          r = mgr.restore(_abstract(state))
-          jax.block_until_ready(r.state)
-          restores.append(time.perf_counter() - t)
+        r, restore_s = _restores(mgr, state, repeats)
         out[kind] = {
             "first_save_s": round(first, 4),
             "save_returns_s": round(min(returns), 4),
             "save_complete_s": round(min(completes), 4),
             "save_complete_gbps": _gbps(nbytes, min(completes)),
-            "restore_s": round(min(restores), 4),
-            "restore_gbps": _gbps(nbytes, min(restores)),
+            "restore_s": round(restore_s, 4),
+            "restore_gbps": _gbps(nbytes, restore_s),
             "restored_step": r.step, "bitwise_equal": _equal(r.state, state)}
     finally:
       cleanup(d)
@@ -223,6 +230,38 @@ def train_step(state: Any, step_ms: float) -> tuple[Callable[..., Any], Any, int
     iters *= 2
 
 
+class _Loop:
+  """A timed loop of a donating step, with or without snapshots: the time a
+  step takes until the loop's last step is done (its last snapshot's drain
+  is waited for after the clock stops)."""
+
+  def __init__(self, advance: Callable[[Any, int], Any], state: Any) -> None:
+    self.advance, self.state, self.step = advance, state, 0
+
+  def run(self, steps: int, mgr: Any | None = None, every: int = 1) -> float:
+    import jax
+    t = time.perf_counter()
+    for _ in range(steps):
+      self.step += 1
+      self.state = self.advance(self.state, self.step)
+      if mgr is not None and self.step % every == 0:
+        mgr.save(self.step, self.state, force=True)
+    jax.block_until_ready(self.state)
+    took = time.perf_counter() - t
+    if mgr is not None:
+      mgr.wait_until_finished()
+    return took / steps
+
+  def none_vs_every_step(self, steps: int, rounds: int, mgr: Any) -> tuple[float, float]:
+    """The best round's step time without snapshots and with one every
+    step, rounds interleaved."""
+    none, snap = float("inf"), float("inf")
+    for _ in range(rounds):
+      none = min(none, self.run(steps))
+      snap = min(snap, self.run(steps, mgr))
+    return none, snap
+
+
 def overhead(state_mb: int, step_ms: float, intervals: Sequence[int], steps: int,
              rounds: int, kinds: Sequence[str]) -> dict[str, Any]:
   """Step time with a snapshot every ``interval`` steps over step time
@@ -237,26 +276,14 @@ def overhead(state_mb: int, step_ms: float, intervals: Sequence[int], steps: int
     d = ram_dir("snapstore-dc-")
     try:
       with manager(kind, str(d)) as mgr:
-        step = 0
-
-        def loop(interval: int | None) -> float:
-          nonlocal state, step
-          t = time.perf_counter()
-          for _ in range(steps):
-            step += 1
-            state = fn(state, x, iters)
-            if interval is not None and step % interval == 0:
-              mgr.save(step, state, force=True)
-          jax.block_until_ready(state)
-          took = time.perf_counter() - t
-          mgr.wait_until_finished()
-          return took / steps
-
-        loop(max(intervals))  # compiles, and the first save makes the store
+        run = _Loop(lambda st, _: fn(st, x, iters), state)
+        run.run(steps, mgr, max(intervals))  # compiles, and the first save makes the store
         best: dict[str, float] = {}
         for _ in range(rounds):
-          for key, interval in [("none", None)] + [(str(i), i) for i in intervals]:
-            best[key] = min(best.get(key, float("inf")), loop(interval))
+          best["none"] = min(best.get("none", float("inf")), run.run(steps))
+          for i in intervals:
+            best[str(i)] = min(best.get(str(i), float("inf")), run.run(steps, mgr, i))
+        state = run.state
       out[kind] = {"step_ms_none": round(best["none"] * 1e3, 2), **{
           f"every_{i}": {"step_ms": round(best[str(i)] * 1e3, 2),
                          "overhead": round(best[str(i)] / best["none"] - 1.0, 4)}
@@ -338,21 +365,7 @@ def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: in
   fn, x, iters = train_step(jax.tree.map(lambda a: a.copy(), state), step_ms)
   out: dict[str, Any] = {"state_mb": state_mb, "step_ms_asked": step_ms, "iters": iters,
                          "steps_a_loop": steps}
-  step = 0
-
-  def loop(mgr: Any | None) -> float:
-    nonlocal state, step
-    t = time.perf_counter()
-    for _ in range(steps):
-      step += 1
-      state = fn(state, x, iters)
-      if mgr is not None:
-        mgr.save(step, state, force=True)
-    jax.block_until_ready(state)
-    took = time.perf_counter() - t
-    if mgr is not None:
-      mgr.wait_until_finished()
-    return took / steps
+  run = _Loop(lambda st, _: fn(st, x, iters), state)
 
   for name in kinds:
     kind, extra = PER_STEP[name]
@@ -361,15 +374,12 @@ def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: in
     d = ram_dir("snapstore-dc-")
     try:
       with manager(kind, str(d), **extra) as mgr:
-        loop(mgr)  # compiles, and the first save makes the store
+        run.run(steps, mgr)  # compiles, and the first save makes the store
         rss_before = _rss_mb()
         m = mgr.metrics
         started, stall0, capture0 = m.snapshots_started, m.stall_seconds_total, \
             m.capture_seconds_total
-        none, snap = float("inf"), float("inf")
-        for _ in range(rounds):
-          none = min(none, loop(None))
-          snap = min(snap, loop(mgr))
+        none, snap = run.none_vs_every_step(steps, rounds, mgr)
         rss_after = _rss_mb()
         saves = m.snapshots_started - started
         row: dict[str, Any] = {
@@ -383,21 +393,14 @@ def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: in
             "rss_mb_before": rss_before, "rss_mb_after": rss_after, "snapshots": saves}
         if link_gbps:
           row["small_budget_bound_ms"] = round(none * 1e3 + 1.2 * nbytes / link_gbps / 1e6, 2)
-        step += 1
-        state = fn(state, x, iters)
-        mgr.save(step, state, force=True)
+        run.run(1, mgr)
+        state = run.state
         expected = jax.device_get(state)
-        mgr.wait_until_finished()
-        restores = []
-        for _ in range(repeats):
-          t = time.perf_counter()
-          r = mgr.restore(_abstract(state))
-          jax.block_until_ready(r.state)
-          restores.append(time.perf_counter() - t)
+        r, restore_s = _restores(mgr, state, repeats)
         shardings = jax.tree.map(lambda a: a.sharding, state)
         raw = _best(lambda e=expected, sh=shardings: jax.device_put(e, sh), repeats)
-        row.update({"restore_s": round(min(restores), 4), "raw_h2d_s": round(raw, 4),
-                    "restore_over_raw_h2d": round(raw / min(restores), 4),
+        row.update({"restore_s": round(restore_s, 4), "raw_h2d_s": round(raw, 4),
+                    "restore_over_raw_h2d": round(raw / restore_s, 4),
                     "restored_step": r.step, "bitwise_equal": _equal(r.state, expected)})
         del r
       out[name] = row
@@ -459,39 +462,18 @@ def model(steps: int, rounds: int, repeats: int, *, dim: int, layers: int, vocab
   out: dict[str, Any] = {"state_mb": round(nbytes / 2**20, 1), "leaves":
                          len(jax.tree.leaves(state)), "dim": dim, "layers": layers,
                          "seq": seq, "batch": batch}
-  step = 0
-
-  def loop(mgr: Any | None) -> float:
-    nonlocal state, step
-    t = time.perf_counter()
-    for _ in range(steps):
-      step += 1
-      state, loss = tr.step(state, step)
-      if mgr is not None:
-        mgr.save(step, state)
-    jax.block_until_ready((state, loss))
-    took = time.perf_counter() - t
-    if mgr is not None:
-      mgr.wait_until_finished()
-    return took / steps
-
+  run = _Loop(lambda st, s: tr.step(st, s)[0], state)
   d = ram_dir("snapstore-dc-")
   try:
     with manager("host_files", str(d)) as mgr:
-      loop(mgr)  # compiles, and the first save makes the store
-      none, snap = float("inf"), float("inf")
-      for _ in range(rounds):
-        none = min(none, loop(None))
-        snap = min(snap, loop(mgr))
+      run.run(steps, mgr)  # compiles, and the first save makes the store
+      none, snap = run.none_vs_every_step(steps, rounds, mgr)
       m = mgr.metrics
       out.update(step_ms_none=round(none * 1e3, 2), step_ms_every_1=round(snap * 1e3, 2),
                  over_none=round(snap / none, 4), staged_bytes=m.staged_bytes,
                  stall_ms_last=round(m.stall_seconds * 1e3, 2))
-      step += 1
-      state, _ = tr.step(state, step)
-      mgr.save(step, state)
-      expected = jax.device_get(state)
-      mgr.wait_until_finished()
+      run.run(1, mgr)
+      expected = jax.device_get(run.state)
       t = time.perf_counter()
       r = mgr.restore(tr.abstract_state())
       jax.block_until_ready(r.state)
