@@ -152,12 +152,14 @@ class Saver:
     mine = _watermark.combine(
         _watermark.record(step, [s for s in held if protected(s)], self.watermark)
         for held in self.backend.held_steps())
+    t = time.perf_counter()
     try:
       reduced = self.reduce_min(mine)
     except jax.errors.JaxRuntimeError as e:
       raise errors.StoreError(
           f"step {step}: the hosts could not agree which snapshot every store holds "
           f"({e}); nothing was deleted and this step has no snapshot") from e
+    self.metrics.agree_seconds_total += time.perf_counter() - t
     self.watermark = _watermark.settle(step, reduced)
     self.metrics.watermark = -1 if self.watermark is None else self.watermark
     return self.metrics.watermark

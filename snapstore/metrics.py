@@ -40,6 +40,7 @@ class SaveMetrics:
   store_failures: int = 0        # saves the RAM tier failed (FailurePolicy.CONTINUE)
   last_store_failure: str = ""   # the last one's error
   watermark: int = -1            # the newest step every store held at the last agreement
+  agree_seconds_total: float = 0.0  # save() agreeing on it (one small reduction a save)
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
