@@ -107,9 +107,10 @@ class Backend(PieceSource, Protocol[PendingT]):
   training thread and ``drain`` from its one drain thread, never both at
   once."""
 
-  #: the store value that built it (``Auto()`` resolved: ``HostFiles`` or
-  #: ``PinnedHost``); ``SnapshotManager.store`` returns it
-  spec: StoreSpec
+  @property
+  def spec(self) -> StoreSpec:
+    """The store value that built it (``Auto()`` resolved: ``HostFiles`` or
+    ``PinnedHost``); ``SnapshotManager.store`` returns it."""
 
   def store_ids(self) -> list[int]:
     """The stores this process holds (process index, or failure domains)."""

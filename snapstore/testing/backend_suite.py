@@ -46,8 +46,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent import futures
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,21 +57,21 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from .. import (
-    BudgetExceededError,
-    BusyPolicy,
-    SnapshotManager,
-    SnapshotOptions,
-    Source,
-    StepNotFoundError,
-    _backends,
-    _planner,
+  BudgetExceededError,
+  BusyPolicy,
+  SnapshotManager,
+  SnapshotOptions,
+  Source,
+  StepNotFoundError,
+  _backends,
+  _planner,
 )
 from .._assemble import BadCopy
 from .._backends import Backend
-from ..stores import StoreSpec
 from .._index import to_slices
 from .._manifest import Manifest, PieceRecord
 from .._tree import flatten, tree_digest
+from ..stores import StoreSpec
 from .checks import assert_bitwise_equal, host_copy
 
 __all__ = ["BackendSuite", "Recorded", "abstract", "awkward_state", "backend_of",
@@ -99,7 +98,7 @@ class Recorded:
   def build(self, options: SnapshotOptions, **kw: Any) -> Backend[Any]:
     self.built = self.store.build(options, **kw)
     self.backend = _Watched(self.built, self)
-    return self.backend  # type: ignore[no-any-return]
+    return self.backend
 
 
 class _Watched:
@@ -115,11 +114,11 @@ class _Watched:
   def drain(self, pending: Any) -> int:
     if self._hook.drain_gate is not None:
       self._hook.drain_gate.wait(60)
-    return self._inner.drain(pending)  # type: ignore[no-any-return]
+    return self._inner.drain(pending)
 
   def fetch_run(self, plan: Any, copies: Sequence[Any], out: Any) -> list[Any]:
     self._hook.runs_fetched.append(len(copies))
-    return self._inner.fetch_run(plan, copies, out)  # type: ignore[no-any-return]
+    return self._inner.fetch_run(plan, copies, out)
 
 
 def backend_of(mgr: SnapshotManager) -> Any:
@@ -132,7 +131,7 @@ def backend_of(mgr: SnapshotManager) -> Any:
 
 def _stores(mgr: SnapshotManager) -> dict[int, Any]:
   """The backend's stores by id (every backend here keeps a ``stores`` dict)."""
-  return backend_of(mgr).stores  # type: ignore[no-any-return]
+  return backend_of(mgr).stores
 
 
 def awkward_state(devices, step):
