@@ -1,7 +1,7 @@
 """snapstore: per-step in-RAM snapshots of JAX train state, beside Orbax."""
 
 from . import errors as errors, stores as stores
-from ._backends.base import Backend as Backend
+from ._backends import Backend as Backend
 from ._manager import SnapshotManager as SnapshotManager
 from ._persistent import OrbaxTier as OrbaxTier
 from .errors import (

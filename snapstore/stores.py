@@ -8,7 +8,7 @@
     Auto()                                                     # the default: one of the two
 
 or any value of one's own with a ``build(...)`` that returns a
-:class:`~snapstore._backends.base.Backend` (:class:`StoreSpec`): the
+:class:`~snapstore.Backend` (:class:`StoreSpec`): the
 manager calls it once, at construction, and from then on talks to the
 backend only. A new backend passes :mod:`snapstore.testing.backend_suite`
 by declaring its store value in a test class.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # (the backends import the options, which import these values)
   import jax
 
-  from ._backends.base import Backend
+  from ._backends import Backend
   from .options import SnapshotOptions
 
 DEFAULT_STORE_DIR = "/dev/shm/snapstore"
@@ -63,7 +63,7 @@ class StoreSpec(Protocol):
       pool: the manager's copy threads, for the backend's copies.
 
     Returns:
-      A :class:`~snapstore._backends.base.Backend`.
+      A :class:`~snapstore.Backend`.
 
     Raises:
       ValueError: this store cannot serve this job (say why, and what to use).
@@ -122,7 +122,7 @@ class HostFiles:
       raise ValueError("redundancy=Parity(k) on a single controller needs the pinned_host "
                        "store (store=PinnedHost(), devices with pinned_host memory); host "
                        "files with slices= keep full replicas (redundancy=Replicas(n))")
-    from ._backends.hostfiles.backend import HostFilesBackend
+    from ._backends import HostFilesBackend
     return HostFilesBackend(options, self, host=host, num_hosts=num_hosts, slices=slices,
                             pool=pool)
 
@@ -158,7 +158,7 @@ class PinnedHost:
           "the pinned_host store is for a single controller: pass slices= (failure "
           "domain -> devices). With jax.distributed, host files outlive the process "
           "that wrote them; pinned host memory does not.")
-    from ._backends.pinned.backend import PinnedHostBackend
+    from ._backends import PinnedHostBackend
     return PinnedHostBackend(options, self, slices=slices, pool=pool)
 
 
@@ -183,7 +183,7 @@ class Auto:
   def resolve(self, slices: Mapping[int, Sequence[jax.Device]] | None
               ) -> HostFiles | PinnedHost:
     """The store this value stands for, given the manager's ``slices``."""
-    from ._backends.pinned.store import supports_pinned_host
+    from ._backends import supports_pinned_host
     devices = [d for devs in (slices or {}).values() for d in devs]
     if slices is not None and supports_pinned_host(devices):
       return PinnedHost(budget_bytes=self.budget_bytes)

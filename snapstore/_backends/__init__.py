@@ -13,6 +13,7 @@ from .base import NO_PROGRESS, Backend, Header
 from .hostfiles.backend import HostFilesBackend
 from .hostfiles.store import host_dir, open_regular, read_progress, scan
 from .pinned.backend import PinnedHostBackend
+from .pinned.store import supports_pinned_host
 
 __all__ = [
   "NO_PROGRESS",
@@ -24,4 +25,5 @@ __all__ = [
   "open_regular",
   "read_progress",
   "scan",
+  "supports_pinned_host",
 ]

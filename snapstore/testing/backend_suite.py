@@ -26,7 +26,7 @@ one), never through the manager's private fields.
 
 Two tiers:
 
-- **protocol** (``test_protocol_*``): the :class:`~snapstore._backends.base.Backend`
+- **protocol** (``test_protocol_*``): the :class:`~snapstore.Backend`
   alone: capture, then drain, commits a manifest in every live store; a
   fetch returns verified bytes of the caller's own; a corrupted copy raises
   ``BadCopy`` on fetch and on check; a forgotten domain is never written.
