@@ -80,7 +80,7 @@ def main() -> int:
 
   job = Job(a.mb, a.steps, a.step_s)
   abstract = job.abstract
-  opts = snapstore.SnapshotOptions(store_dir=a.store, run_id="mh", keep=1,
+  opts = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir=a.store), run_id="mh", keep=1,
                                    redundancy=snapstore.Replicas(a.replicas),
                                    hosts_per_domain=num_hosts // 2)
   report: dict = {"hosts": num_hosts, "state_mb": job.state_mb}
@@ -113,7 +113,8 @@ def main() -> int:
           res = mgr.restore(abstract)
           parts.append(dict(res.timings))
         else:
-          empty = snapstore.SnapshotOptions(store_dir=a.store, run_id=f"empty-{name}")
+          empty = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir=a.store),
+                                           run_id=f"empty-{name}")
           with snapstore.SnapshotManager(empty, persistent=tiers[name]) as other:
             res = other.restore(abstract)
         jax.block_until_ready(res.state)

@@ -35,7 +35,7 @@ def main() -> int:
             .reshape(-1)]
 
   job = Job(a.mb, a.steps, a.step_s)
-  common = dict(store_dir=a.store, keep=1, hosts_per_domain=1)
+  common = dict(store=snapstore.HostFiles(dir=a.store), keep=1, hosts_per_domain=1)
   mgrs = {"replica": snapstore.SnapshotManager(snapstore.SnapshotOptions(
               run_id="replica", redundancy=snapstore.Replicas(1), **common)),
           "parity": snapstore.SnapshotManager(snapstore.SnapshotOptions(

@@ -76,7 +76,7 @@ def one_size(mb: int, repeats: int, step_factor: float, leaves: int | None = Non
   memcpy = Memcpy(nbytes)
   store = ram_dir("snapstore-bench-")
   try:
-    opts = snapstore.SnapshotOptions(store_dir=store, keep=1)
+    opts = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir=store), keep=1)
     with snapstore.SnapshotManager(opts) as mgr:
       for warm in (0, 1):  # allocates and touches both slots (keep=1 writes two in turn)
         mgr.save(warm, state)

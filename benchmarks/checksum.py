@@ -1,9 +1,9 @@
 """The pinned-host store's two integrity checks, side by side on one shard.
 
 ``python -m benchmarks.checksum --mb 64``: bytes per second of crc32c on the
-host buffer (``pinned_checksum="host"``) and of snapstore's on-device sum
-computed by XLA (``"device"``), on a CPU device, each as a ratio to a
-single-thread memcpy measured in the same process. On CPU devices ``auto``
+host buffer (``PinnedHost(checksum=PinnedChecksum.HOST)``) and of snapstore's on-device sum
+computed by XLA (``DEVICE``), on a CPU device, each as a ratio to a
+single-thread memcpy measured in the same process. On CPU devices ``AUTO``
 picks the host crc32c; this is why. (On TPU the device sum runs in HBM and
 the host copy is not addressable by the controller, so the choice flips.)
 """

@@ -62,8 +62,9 @@ import numpy as np
 
 from benchmarks._common import cleanup, emit, ram_dir
 
-STORES = {"host_files": ("HOST_FILES", "auto"), "pinned_device_sum": ("PINNED_HOST", "device"),
-          "pinned_crc32c": ("PINNED_HOST", "host")}
+# name -> (store, the pinned store's checksum: PinnedChecksum's name)
+STORES = {"host_files": ("HOST_FILES", "AUTO"), "pinned_device_sum": ("PINNED_HOST", "DEVICE"),
+          "pinned_crc32c": ("PINNED_HOST", "HOST")}
 # per_step: name -> (store, options beyond its own)
 PER_STEP = {"host_files": ("host_files", {}),
             "host_files_budget_64mb": ("host_files", {"staging_budget_bytes": 64 << 20}),
@@ -136,9 +137,9 @@ def manager(kind: str, store_dir: str, **extra: Any):
   store, checksum = STORES[kind]
   if "staging" in extra:
     extra["staging"] = snapstore.Staging[extra["staging"]]
-  opts = snapstore.SnapshotOptions(store_dir=store_dir, keep=1, run_id=kind,
-                                   store=snapstore.StoreKind[store], pinned_checksum=checksum,
-                                   **extra)
+  value = (snapstore.PinnedHost(checksum=snapstore.PinnedChecksum[checksum])
+           if store == "PINNED_HOST" else snapstore.HostFiles(dir=store_dir))
+  opts = snapstore.SnapshotOptions(store=value, keep=1, run_id=kind, **extra)
   slices = {0: jax.devices()} if store == "PINNED_HOST" else None
   return snapstore.SnapshotManager(opts, slices=slices)
 

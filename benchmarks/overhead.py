@@ -33,7 +33,8 @@ def run(mb: int, intervals: Sequence[int], steps: int, rounds: int,
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   store = ram_dir("snapstore-overhead-")
   try:
-    with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store, keep=1)) as mgr:
+    opts = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir=store), keep=1)
+    with snapstore.SnapshotManager(opts) as mgr:
       mgr.save(0, state, force=True)  # allocates and touches the slots
       mgr.wait_until_finished()
       t = time.perf_counter()

@@ -34,11 +34,12 @@ def run(mb: int, repeats: int) -> dict:
     with GcsEmulator(bucket="bench") as gcs:
       local = Path(work, "orbax")  # /dev/shm: the local tier's best case
       tiers = {"orbax_local": str(local), "orbax_gcs": gcs.url("restore")}
-      opts = snapstore.SnapshotOptions(store_dir=work / "store", run_id="bench",
-                                       persistent_interval=step)
+      opts = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir=work / "store"),
+                                       run_id="bench", persistent_interval=step)
       managers = {"ram": snapstore.SnapshotManager(opts, persistent=tiers["orbax_local"])}
       for name, where in tiers.items():
-        empty = snapstore.SnapshotOptions(store_dir=work / "store", run_id=f"empty-{name}")
+        empty = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir=work / "store"),
+                                           run_id=f"empty-{name}")
         managers[name] = snapstore.SnapshotManager(empty, persistent=where)
       managers["ram"].save(step, state)
       managers["orbax_gcs"].persistent.save(step, *_flat(state), None)

@@ -8,7 +8,7 @@ system, ``--repeats`` rounds, interleaved:
 * ``snapstore``: its Orbax-compatible ``Snapshotter`` (one pinned-host store
   per slice): ``save`` (returns once the copies are dispatched), ``join``
   (copied, checksummed on device, committed), ``load`` (verified on device);
-* ``snapstore_host_files``: the same with ``StoreKind.HOST_FILES`` (files on
+* ``snapstore_host_files``: the same with ``store=HostFiles()`` (files on
   /dev/shm, crc32c on the host), the multi-controller store;
 * ``orbax_snapshotter``: Orbax v1 ``Snapshotter`` (pinned-host copies split by
   the replica axis): ``save``, ``join``, ``load``;
@@ -62,14 +62,14 @@ def _systems(work: Any, mesh: Any, abstract: Any) -> dict[str, Any]:
     # snapstore's drop-in Snapshotter: one store per slice (the two rows of
     # the mesh), as on Pathways: pinned_host arrays (the default with
     # slices), or host files for comparison.
-    def __init__(self, store=snapstore.StoreKind.PINNED_HOST):
+    def __init__(self, kind="pinned_host"):
       from snapstore.integrations.pathways import Snapshotter as SnapstoreSnapshotter
-      self.name = ("snapstore" if store is snapstore.StoreKind.PINNED_HOST
-                   else f"snapstore_{store.value}")
+      self.name = "snapstore" if kind == "pinned_host" else f"snapstore_{kind}"
+      store = (snapstore.PinnedHost() if kind == "pinned_host"
+               else snapstore.HostFiles(dir=work / "snapstore"))
       rows = mesh.devices
       self.s = SnapstoreSnapshotter(
-          options=snapstore.SnapshotOptions(store_dir=work / "snapstore", keep=1,
-                                            store=store, run_id=store.value),
+          options=snapstore.SnapshotOptions(store=store, keep=1, run_id=kind),
           slices={k: list(rows[k]) for k in range(rows.shape[0])})
 
     def save(self, step, state):
@@ -128,7 +128,7 @@ def _systems(work: Any, mesh: Any, abstract: Any) -> dict[str, Any]:
       self.m.close()
 
   return {"snapstore": Snap,
-          "snapstore_host_files": lambda: Snap(snapstore.StoreKind.HOST_FILES),
+          "snapstore_host_files": lambda: Snap("host_files"),
           "orbax_snapshotter": OrbaxSnapshotter, "orbax_local_ramfs": OrbaxRamfs}
 
 

@@ -1,6 +1,7 @@
 """snapstore: per-step in-RAM snapshots of JAX train state, beside Orbax."""
 
-from . import errors as errors
+from . import errors as errors, stores as stores
+from ._backends import Backend as Backend
 from ._manager import SnapshotManager as SnapshotManager
 from ._persistent import OrbaxTier as OrbaxTier
 from .errors import (
@@ -33,19 +34,23 @@ from .options import (
     Replicas as Replicas,
     SnapshotOptions as SnapshotOptions,
     Staging as Staging,
-    StoreKind as StoreKind,
+)
+from .stores import (
+    Auto as Auto,
+    HostFiles as HostFiles,
+    PinnedChecksum as PinnedChecksum,
+    PinnedHost as PinnedHost,
+    StoreSpec as StoreSpec,
 )
 
 __version__ = "0.9.0"
 
 __all__ = [
-    "AutoInterval", "BudgetExceededError", "BusyPolicy", "ClosedError", "CorruptSnapshotError",
-    "DeletedLeafError", "DrainFailedError", "Every", "FailurePolicy", "InvalidStepError",
-    "NothingToRestoreError", "OrbaxTier", "Parity", "Replicas", "RestoreResult", "SaveMetrics",
-    "SnapshotManager", "SnapshotOptions",
-    "SnapstoreError", "Source", "Staging", "StepNotFoundError", "StepOrderError", "StoreError",
-    "StoreKind",
-    "TreeMismatchError",
-    "UnsafeStoreError", "UnsupportedLeafError",
-    "errors",
+    "Auto", "AutoInterval", "Backend", "BudgetExceededError", "BusyPolicy", "ClosedError",
+    "CorruptSnapshotError", "DeletedLeafError", "DrainFailedError", "Every", "FailurePolicy",
+    "HostFiles", "InvalidStepError", "NothingToRestoreError", "OrbaxTier", "Parity",
+    "PinnedChecksum", "PinnedHost", "Replicas", "RestoreResult", "SaveMetrics",
+    "SnapshotManager", "SnapshotOptions", "SnapstoreError", "Source", "Staging",
+    "StepNotFoundError", "StepOrderError", "StoreError", "StoreSpec", "TreeMismatchError",
+    "UnsafeStoreError", "UnsupportedLeafError", "errors", "stores",
 ]

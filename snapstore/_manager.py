@@ -22,7 +22,8 @@ from ._manifest import check_extra
 from ._persistent import OrbaxTier
 from ._tree import flatten
 from .metrics import RestoreResult, SaveMetrics, Source
-from .options import SnapshotOptions, StoreKind
+from .options import SnapshotOptions
+from .stores import StoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class SnapshotManager:
       one store per domain, all held by this process.
 
   Raises:
-    ValueError: ``slices`` with ``jax.distributed``, or ``PINNED_HOST`` without.
+    ValueError: ``slices`` with ``jax.distributed``, or ``PinnedHost()`` without
+      (the store value's ``build`` says why it cannot serve this job).
     StoreError: the store cannot be used (:class:`UnsafeStoreError`: unsafe).
   """
 
@@ -56,7 +58,7 @@ class SnapshotManager:
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
     self._copy_pool = futures.ThreadPoolExecutor(
         self.options.copy_threads, thread_name_prefix="snapstore-copy")
-    self._backend = _backends.build_backend(
+    self._backend: _backends.Backend[Any] = self.options.store.build(
         self.options, host=self.host, num_hosts=self.num_hosts, slices=slices,
         pool=self._copy_pool)
     self._peers = _multihost.for_job(self.host, self.num_hosts)
@@ -137,9 +139,10 @@ class SnapshotManager:
     self._saver.raise_drain_error()
 
   @property
-  def store_kind(self) -> StoreKind:
-    """Where this manager keeps snapshots (built once from the options)."""
-    return self._backend.kind
+  def store(self) -> StoreSpec:
+    """The store value that built this manager's backend: ``options.store``,
+    with ``Auto()`` resolved (``HostFiles`` or ``PinnedHost``)."""
+    return self._backend.spec
 
   def forget_domains(self, domains: Sequence[int], reason: str) -> None:
     """Single controller: drops what the stores of ``domains`` (slices whose

@@ -253,7 +253,7 @@ class Restore:
       raise (errors.StepNotFoundError if step is not None else errors.NothingToRestoreError)(
           f"no complete snapshot of {what} in {self.inputs.backend.describe()} and no committed "
           f"checkpoint in {where}.{seen} Nothing was deleted; start a new run, or "
-          "point store_dir/run_id/persistent at the run to resume.")
+          "point the store (HostFiles.dir), run_id and persistent at the run to resume.")
     pstep = persistent_steps[-1]
     notes.append(f"no complete snapshot at or after step {pstep}; "
                  "restoring from the persistent tier")

@@ -1,8 +1,9 @@
 """Frozen, validated option dataclasses and the policies users swap.
 
 A choice is a type: ``interval=Every(10)`` or ``AutoInterval(host_mtbf_s=...)``,
-``redundancy=Replicas(1)`` or ``Parity(k=3)``; each carries its own
-parameters and checks them. Tuning knobs stay flat fields of
+``redundancy=Replicas(1)`` or ``Parity(k=3)``, ``store=HostFiles(...)``,
+``PinnedHost(...)`` or ``Auto()`` (:mod:`snapstore.stores`); each carries its
+own parameters and checks them. Tuning knobs stay flat fields of
 :class:`SnapshotOptions`.
 """
 
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 import re
 
+from .stores import Auto, StoreSpec
+
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-DEFAULT_STORE_DIR = "/dev/shm/snapstore"
 MAX_INT = 2**48  # steps, incarnations, sizes: far beyond use, far below overflow
 
 
@@ -50,15 +51,6 @@ class Staging(enum.Enum):
   AUTO = "auto"      # staged in device memory on accelerators; CPU leaves as views
   ALWAYS = "always"  # staged on CPU devices too (tests: the accelerator path in CI)
   NEVER = "never"    # an async device_put of every leaf to pinned_host (the old path)
-
-
-class StoreKind(enum.Enum):
-  """Where snapshots live."""
-
-  AUTO = "auto"                # PINNED_HOST for a single controller with slices=
-                               # whose devices have pinned_host memory, else HOST_FILES
-  HOST_FILES = "host_files"    # files on a RAM disk, written by each process
-  PINNED_HOST = "pinned_host"  # pinned_host jax.Arrays on each slice's hosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +115,6 @@ class SnapshotOptions:
     interval: when to snapshot: :class:`Every` (``Every(1)``: every step) or
       :class:`AutoInterval`.
     keep: newest complete snapshots kept in the host store.
-    budget_bytes: byte budget of this host's store, or of each slice's
-      pinned-host store (``None``: no budget beyond the free space of
-      ``store_dir``, or of the hosts' memory). One snapshot being written plus the
-      newest complete one must fit, so the budget must hold two snapshots.
-    store_dir: a directory on a RAM-backed filesystem; the store of this run
-      lives in ``<store_dir>/<run_id>/host-<process index>/``.
     run_id: names the run; a store of another run is never restored.
     persistent_interval: save to the persistent tier every this many steps
       (``0`` disables periodic persistent saves).
@@ -151,13 +137,13 @@ class SnapshotOptions:
       jobs where the transfer costs more of a step than it should.
     hosts_per_domain: hosts that fail together, where devices carry no
       ``slice_index`` (``None``: one domain per host).
-    store: where snapshots live (:class:`StoreKind`); ``AUTO`` picks the
-      pinned-host store on a single controller given ``slices=`` (Pathways),
-      host files otherwise.
-    pinned_checksum: the pinned-host store's integrity check: ``"host"``
-      (crc32c of the pinned buffer, in place), ``"device"`` (a 64-bit sum
-      computed by XLA on the device, for memory the controller cannot
-      address), or ``"auto"``: host on CPU devices, device elsewhere.
+    store: where snapshots live, with their directory and byte budget: a
+      store value (:mod:`snapstore.stores`): ``HostFiles(dir=...,
+      budget_bytes=...)``, ``PinnedHost(checksum=..., budget_bytes=...)``,
+      ``Auto()`` (the pinned-host store on a single controller given
+      ``slices=`` whose devices have pinned host memory, host files
+      otherwise), or any value whose ``build(...)`` returns a backend
+      (:class:`snapstore.stores.StoreSpec`).
     drain_switch_interval_s: while a snapshot drains on its background
       thread, the interpreter's thread switch interval
       (``sys.setswitchinterval``) is lowered to this many seconds, so the
@@ -209,8 +195,6 @@ class SnapshotOptions:
 
   interval: Interval = Every(1)
   keep: int = 2
-  budget_bytes: int | None = None
-  store_dir: str | os.PathLike[str] = DEFAULT_STORE_DIR
   run_id: str = "default"
   persistent_interval: int = 0
   busy_policy: BusyPolicy = BusyPolicy.WAIT
@@ -221,8 +205,7 @@ class SnapshotOptions:
   replica_interval: int = 1
   hosts_per_domain: int | None = None
   incarnation: int | None = None
-  store: StoreKind = StoreKind.AUTO
-  pinned_checksum: str = "auto"
+  store: StoreSpec = Auto()
   drain_switch_interval_s: float | None = 0.0005
   pause_gc: bool = True
   prefault_restore: bool = True
@@ -245,8 +228,6 @@ class SnapshotOptions:
     if self.chunk_bytes % 4096:
       raise ValueError(
           f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}")
-    if self.budget_bytes is not None:
-      _int_option("budget_bytes", self.budget_bytes, 1, "or None")
     _int_option("persistent_interval", self.persistent_interval, 0, "(0 disables)")
     _int_option("replica_interval", self.replica_interval, 1)
     if self.hosts_per_domain is not None:
@@ -273,18 +254,14 @@ class SnapshotOptions:
     if self.staging_piece_bytes > 1 << 30:
       raise ValueError(
           f"staging_piece_bytes must be at most 1 GiB, got {self.staging_piece_bytes}")
-    if not isinstance(self.store, StoreKind):
-      raise TypeError(f"store must be a StoreKind, got {self.store!r}")
+    if not callable(getattr(self.store, "build", None)):
+      raise TypeError("store must be a store value with a build(...) method: HostFiles(...), "
+                      f"PinnedHost(...), Auto() or a StoreSpec of your own, got {self.store!r}")
     if not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id) or \
         self.run_id in (".", ".."):
       raise ValueError(
           f"run_id must be one path component matching {_RUN_ID_RE.pattern}, not "
           f"'.' or '..' (it names a directory), got {self.run_id!r}")
-    if not isinstance(self.store_dir, (str, os.PathLike)) or not os.fspath(self.store_dir):
-      raise ValueError(f"store_dir must be a non-empty path, got {self.store_dir!r}")
-    if self.pinned_checksum not in ("auto", "host", "device"):
-      raise ValueError(
-          f"pinned_checksum is 'auto', 'host' or 'device', got {self.pinned_checksum!r}")
 
   def should_persist(self, step: int) -> bool:
     return self.persistent_interval > 0 and step % self.persistent_interval == 0

@@ -28,7 +28,7 @@ def state(step: int) -> dict:
 if __name__ == "__main__":
   jax.config.update("jax_platforms", "cpu")
   mode, where = sys.argv[1], Path(sys.argv[2])
-  opts = snapstore.SnapshotOptions(keep=2, store_dir=str(where / "store"),
+  opts = snapstore.SnapshotOptions(keep=2, store=snapstore.HostFiles(dir=str(where / "store")),
                                    run_id="job", persistent_interval=5)
   with snapstore.SnapshotManager(opts, persistent=str(where / "ckpt")) as mgr:
     if mode == "save":

@@ -48,7 +48,7 @@ def main() -> int:
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
   rows = ROWS * len(jax.devices())
   redundancy = snapstore.Parity(k=3) if a.redundancy == "parity" else snapstore.Replicas(1)
-  opts = snapstore.SnapshotOptions(keep=2, store_dir=a.store, run_id="job",
+  opts = snapstore.SnapshotOptions(keep=2, store=snapstore.HostFiles(dir=a.store), run_id="job",
                                    hosts_per_domain=1, redundancy=redundancy)
   step_fn = jax.jit(lambda x, s: x * np.float32(0.5) + s.astype(np.float32),
                     out_shardings=sharding, donate_argnums=0)

@@ -20,8 +20,16 @@ def shardings(tree: Any) -> list[Any]:
   return [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
 
 
-def opts(store_dir: Any, **kw: Any) -> snapstore.SnapshotOptions:
-  return snapstore.SnapshotOptions(store_dir=store_dir, **kw)
+def opts(store_dir: Any, *, budget_bytes: int | None = None,
+         **kw: Any) -> snapstore.SnapshotOptions:
+  """Options whose store is ``Auto(dir=store_dir, budget_bytes=...)`` (host
+  files, or pinned host under ``slices=``), unless ``store=`` names one."""
+  if "store" in kw:
+    if budget_bytes is not None:
+      raise TypeError("opts(): with store=, give budget_bytes to the store value")
+    return snapstore.SnapshotOptions(**kw)
+  return snapstore.SnapshotOptions(
+      store=snapstore.Auto(dir=store_dir, budget_bytes=budget_bytes), **kw)
 
 
 def only_store(mgr: snapstore.SnapshotManager) -> Any:

@@ -5,7 +5,7 @@ failure domain (or one, without ``slices=``). It implements
 may use (host files' per-domain capture; ``_copy``'s drain, commit and
 verified fetch; the planner's slot rules), and
 ``tests/test_memory_backend.py`` runs the whole conformance suite on it by
-supplying it and its backdoor.
+declaring its store value (:class:`InMemory`) and its backdoor.
 
 Not a product: it keeps nothing across processes, and has no parity.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from snapstore import SnapshotOptions, StoreKind, _planner
+from snapstore import SnapshotOptions, _planner
 from snapstore._assemble import Assembler, BadCopy
 from snapstore._backends import _copy
 from snapstore._backends.base import NO_PROGRESS, DomainStores, Header, ProgressInMemory
@@ -84,23 +84,47 @@ class _Pending:
   jobs: list[tuple[MemoryStore, _copy.Capture, int]]  # (store, capture, slot)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InMemory:
+  """The store value of :class:`MemoryBackend` (``SnapshotOptions(store=InMemory())``).
+
+  Attributes:
+    budget_bytes: byte budget of each domain's store (None: none).
+  """
+
+  budget_bytes: int | None = None
+
+  def __post_init__(self) -> None:
+    if self.budget_bytes is not None and (type(self.budget_bytes) is not int
+                                          or self.budget_bytes < 1):
+      raise ValueError(f"InMemory.budget_bytes must be a positive int or None, "
+                       f"got {self.budget_bytes!r}")
+
+  def build(self, options: SnapshotOptions, *, host: int, num_hosts: int,
+            slices: Mapping[int, Sequence[jax.Device]] | None,
+            pool: futures.Executor) -> MemoryBackend:
+    if num_hosts > 1:
+      raise ValueError("the memory backend is for one process")
+    return MemoryBackend(options, self, slices=slices, pool=pool)
+
+
 class MemoryBackend(DomainStores):
   """Snapshots in this process's memory, one store per failure domain."""
 
-  kind = StoreKind.AUTO  # no StoreKind names it: the suite hands it in
   runs = False  # no fetch_run: each copy is fetched alone
 
-  def __init__(self, options: SnapshotOptions, *,
+  def __init__(self, options: SnapshotOptions, spec: InMemory, *,
                slices: Mapping[int, Sequence[jax.Device]] | None, pool: futures.Executor):
     if options.parity_k is not None:
       raise ValueError("the memory backend keeps replicas only")
     self.options = options
+    self.spec = spec
     self._pool = pool
     self.prefetch_pool: futures.Executor | None = pool
     self.prefetch_workers = options.copy_threads
     domains = slices if slices is not None else {0: jax.devices()}
     self._domain_of = {d: k for k, devs in domains.items() for d in devs}
-    super().__init__({k: MemoryStore(k, keep=options.keep, budget_bytes=options.budget_bytes)
+    super().__init__({k: MemoryStore(k, keep=options.keep, budget_bytes=spec.budget_bytes)
                       for k in domains}, run_id=options.run_id)
 
   def describe(self) -> str:

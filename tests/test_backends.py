@@ -12,16 +12,23 @@ from typing import Any
 
 import jax
 
-from snapstore import Staging, StoreKind
+from snapstore import HostFiles, PinnedHost, Staging
 from snapstore._manifest import Manifest, PieceRecord
-from snapstore.testing.backend_suite import BackendSuite, abstract, awkward_state, save_steps
+from snapstore.testing.backend_suite import (
+    BackendSuite,
+    abstract,
+    awkward_state,
+    backend_of,
+    save_steps,
+)
 from tests.helpers import assert_bitwise_equal, host_copy
 
 
 class HostFilesSuite(BackendSuite):
   """Host files: a store's slots are files on the RAM disk."""
 
-  store = StoreKind.HOST_FILES
+  def make_store(self, store_dir, *, budget_bytes=None):
+    return HostFiles(dir=store_dir, budget_bytes=budget_bytes)
 
   def flip(self, store: Any, manifest: Manifest, record: PieceRecord, at: int,
            mask: int) -> None:
@@ -70,7 +77,7 @@ class HostFilesSuite(BackendSuite):
     # A store keeps the manifest it commits instead of decoding its file again.
     with self.manager(store_dir) as mgr:
       save_steps(mgr, [1, 2])
-      for store in mgr._backend.stores.values():
+      for store in backend_of(mgr).stores.values():
         kept = store.manifests()
         store._decoded.clear()
         assert [m.step for m in kept] == [1, 2]
@@ -89,14 +96,16 @@ class TestHostFilesPerSlice(HostFilesSuite):
       save_steps(mgr, [1])
       mgr.forget_domains([1], "slice lost")
       save_steps(mgr, [2], devices=jax.devices()[:4])
-      assert list(mgr._backend.stores[1].root.iterdir()) == []  # not even progress
+      assert list(backend_of(mgr).stores[1].root.iterdir()) == []  # not even progress
 
 
 class TestPinnedHostPerSlice(BackendSuite):
   """Pinned host: each slice's snapshots are ``pinned_host`` jax.Arrays."""
 
-  store = StoreKind.PINNED_HOST
   slices = True
+
+  def make_store(self, store_dir, *, budget_bytes=None):
+    return PinnedHost(budget_bytes=budget_bytes)
 
   def flip(self, store: Any, manifest: Manifest, record: PieceRecord, at: int,
            mask: int) -> None:

@@ -54,7 +54,7 @@ def pristine(tmp_path_factory):
   store = base / "pristine"
   refs = {}
   with snapstore.SnapshotManager(snapstore.SnapshotOptions(
-      store_dir=store, run_id=RUN, keep=3, chunk_bytes=4096)) as mgr:
+      store=snapstore.HostFiles(dir=store), run_id=RUN, keep=3, chunk_bytes=4096)) as mgr:
     for s in (1, 2, 3):
       st = state_at(s)
       mgr.save(s, st, extra={"s": s})
@@ -165,7 +165,7 @@ def one_case(rng, pristine, work):
       rng.choice(SLOT_DAMAGE)(rng, slot)
   try:
     with snapstore.SnapshotManager(snapstore.SnapshotOptions(
-        store_dir=store, run_id=RUN)) as mgr:
+        store=snapstore.HostFiles(dir=store), run_id=RUN)) as mgr:
       try:
         r = mgr.restore(abstract())
       except snapstore.SnapstoreError:
@@ -210,7 +210,7 @@ def test_single_bit_flips_in_the_newest_manifest_never_restore_wrong_data(
     data[bit // 8] ^= 1 << (bit % 8)
     target.write_bytes(bytes(data))
     with snapstore.SnapshotManager(snapstore.SnapshotOptions(
-        store_dir=store, run_id=RUN)) as mgr:
+        store=snapstore.HostFiles(dir=store), run_id=RUN)) as mgr:
       r = mgr.restore(abstract())
     assert r.step in (2, 3)
     assert_bitwise_equal(refs[r.step], r.state)
@@ -232,7 +232,8 @@ def test_swapped_pieces_with_a_valid_manifest_checksum_are_caught(pristine, tmp_
   w = [p for p in doc["pieces"] if names[p[0]] == "w"]
   w[0][1], w[1][1] = w[1][1], w[0][1]  # same size, both in the leaf: tiles, crc valid
   path.write_bytes(rewrap(doc))
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store, run_id=RUN)) as m:
+  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store=snapstore.HostFiles(dir=store),
+                                                           run_id=RUN)) as m:
     r = m.restore(abstract())
   assert r.step == 2
   assert_bitwise_equal(refs[2], r.state)

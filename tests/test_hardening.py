@@ -33,7 +33,8 @@ def abstract(rows=16):
 
 def opts(store_dir, **kw):
   kw.setdefault("run_id", "hard")
-  return snapstore.SnapshotOptions(store_dir=store_dir, **kw)
+  kw.setdefault("store", snapstore.Auto(dir=store_dir))
+  return snapstore.SnapshotOptions(**kw)
 
 
 def save_steps(mgr, steps, rows=16):
@@ -96,9 +97,11 @@ def test_a_symlinked_slot_is_never_written_through(store_dir, tmp_path):
 
 
 @pytest.mark.parametrize("kw", [dict(run_id=".."), dict(run_id="."), dict(run_id="a/b"),
-                                dict(store_dir=""), dict(interval=True),
+                                dict(store="/dev/shm"), dict(store=None),
+                                dict(store_dir="/dev/shm/x"), dict(budget_bytes=1 << 30),
+                                dict(pinned_checksum="host"), dict(interval=True),
                                 dict(chunk_bytes=4096.0), dict(keep="2"),
-                                dict(budget_bytes=1.5e9), dict(redundancy=1),
+                                dict(redundancy=1),
                                 dict(redundancy="parity"), dict(interval=3),
                                 dict(drain_switch_interval_s=0),
                                 dict(drain_switch_interval_s=2.0),
@@ -115,7 +118,12 @@ def test_bad_options_are_refused_naming_the_option(kw):
     (lambda: snapstore.Replicas(-1), "Replicas.copies"),
     (lambda: snapstore.Parity(0), "Parity.k"), (lambda: snapstore.Parity(1024), "Parity.k"),
     (lambda: snapstore.AutoInterval(0), "host_mtbf_s"),
-    (lambda: snapstore.AutoInterval(None), "host_mtbf_s")])
+    (lambda: snapstore.AutoInterval(None), "host_mtbf_s"),
+    (lambda: snapstore.HostFiles(dir=""), "HostFiles.dir"),
+    (lambda: snapstore.HostFiles(budget_bytes=1.5e9), "HostFiles.budget_bytes"),
+    (lambda: snapstore.Auto(budget_bytes=0), "Auto.budget_bytes"),
+    (lambda: snapstore.PinnedHost(checksum="host"), "PinnedHost.checksum"),
+    (lambda: snapstore.PinnedHost(budget_bytes=-1), "PinnedHost.budget_bytes")])
 def test_a_bad_choice_is_refused_naming_its_parameter(make, name):
   with pytest.raises((TypeError, ValueError), match=name):
     make()
@@ -128,7 +136,8 @@ def test_a_kill_while_a_bigger_state_is_saved_keeps_the_older_snapshot(store_dir
   script = textwrap.dedent(f"""
       import jax, numpy as np, snapstore
       jax.config.update("jax_platforms", "cpu")
-      opts = snapstore.SnapshotOptions(store_dir={str(store_dir)!r}, run_id="hard", keep=1)
+      opts = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir={str(store_dir)!r}),
+                                       run_id="hard", keep=1)
       with snapstore.SnapshotManager(opts) as mgr:
         mgr.save(1, {{"w": np.arange(1000, dtype=np.float32)}})
         mgr.wait_until_finished()
@@ -299,7 +308,8 @@ def test_truncating_a_slot_after_restore_cannot_crash_the_restored_state(store_d
   script = textwrap.dedent(f"""
       import os, jax, numpy as np, snapstore
       jax.config.update("jax_platforms", "cpu")
-      opts = snapstore.SnapshotOptions(store_dir={str(store_dir)!r}, run_id="hard")
+      opts = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir={str(store_dir)!r}),
+                                       run_id="hard")
       w = np.arange(1 << 16, dtype=np.float32)
       with snapstore.SnapshotManager(opts) as mgr:
         mgr.save(1, {{"w": jax.numpy.asarray(w)}})
@@ -332,7 +342,7 @@ def test_steps_beyond_ten_digits_are_saved_and_restored_and_absurd_ones_refused(
 def test_nan_scalars_and_extras_restore_and_a_store_that_lies_is_not_believed(store_dir):
   import dataclasses
   devs = jax.devices()
-  with snapstore.SnapshotManager(opts(store_dir, store=snapstore.StoreKind.HOST_FILES,
+  with snapstore.SnapshotManager(opts(store_dir, store=snapstore.HostFiles(dir=store_dir),
                                       keep=3),
                                  slices={0: devs[:4], 1: devs[4:]}) as mgr:
     for s in (1, 2):

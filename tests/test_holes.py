@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import snapstore
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, opts
 
 
 def _state():
@@ -22,7 +22,7 @@ def _state():
 
 def test_saving_an_older_step_than_the_last_is_refused_and_a_restore_starts_over(store_dir):
   state = _state()
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     mgr.save(5, state)
     with pytest.raises(snapstore.StepOrderError, match=r"step 3 after step 5.*restore"):
       mgr.save(3, state)
@@ -41,7 +41,7 @@ def test_saving_an_older_step_than_the_last_is_refused_and_a_restore_starts_over
 def test_saving_a_deleted_buffer_names_the_leaf(store_dir):
   state = _state()
   state["b"].delete()  # what a donation to a jitted step leaves behind
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     with pytest.raises(snapstore.DeletedLeafError, match=r"step 2: leaf 'b' .*deleted"):
       mgr.save(2, state)
     assert mgr.snapshot_steps() == []
@@ -50,7 +50,7 @@ def test_saving_a_deleted_buffer_names_the_leaf(store_dir):
 def test_restoring_onto_a_sharding_that_does_not_divide_a_leaf_names_it(store_dir):
   state = _state()
   mesh = Mesh(np.array(jax.devices()), ("x",))
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     mgr.save(1, state)
     mgr.wait_until_finished()
     target = dict(state, b=jax.ShapeDtypeStruct((3,), jnp.float32,
@@ -64,7 +64,7 @@ def test_restoring_onto_a_sharding_that_does_not_divide_a_leaf_names_it(store_di
 @pytest.mark.parametrize("step", ["2", 2.0, -1, True])
 def test_a_step_that_is_no_int_is_refused_as_such(store_dir, step):
   state = _state()
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     mgr.save(2, state)
     mgr.wait_until_finished()
     with pytest.raises(snapstore.InvalidStepError, match="step must be an int"):
@@ -74,7 +74,7 @@ def test_a_step_that_is_no_int_is_refused_as_such(store_dir, step):
 
 def test_close_releases_the_last_restore_s_slot_mappings(store_dir):
   state = _state()
-  mgr = snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir))
+  mgr = snapstore.SnapshotManager(opts(store_dir))
   mgr.save(1, state)
   mgr.wait_until_finished()
   mgr.restore(state)

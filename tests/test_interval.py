@@ -29,7 +29,8 @@ def test_rule_grows_with_cost_and_mtbf_and_shrinks_with_step():
 
 
 def run_auto(store_dir, state, step_fn, steps, mtbf):
-  opts = snapstore.SnapshotOptions(store_dir=store_dir, interval=snapstore.AutoInterval(mtbf))
+  opts = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir=store_dir),
+                                   interval=snapstore.AutoInterval(mtbf))
   saved = 0
   with snapstore.SnapshotManager(opts) as mgr:
     for s in range(steps):

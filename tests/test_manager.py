@@ -542,7 +542,7 @@ def test_memory_a_closed_pinned_manager_lets_go_of_never_holds_a_live_state():
   expected = host_copy(state)
   with snapstore.SnapshotManager(snapstore.SnapshotOptions(keep=1, run_id="spares"),
                                  slices={0: devs[:4], 1: devs[4:]}) as mgr:
-    assert mgr._backend.kind is snapstore.StoreKind.PINNED_HOST
+    assert mgr.store == snapstore.PinnedHost()
     mgr.save(3, state)
     mgr.wait_until_finished()
     restored = mgr.restore(abstract(devs)).state

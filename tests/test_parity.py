@@ -97,11 +97,10 @@ def test_groups_must_divide_the_domains():
 
 
 def test_parity_with_host_files_on_a_single_controller_is_refused(store_dir):
-  from snapstore import SnapshotManager, StoreKind
+  from snapstore import HostFiles, SnapshotManager
   devs = jax.devices()
   with pytest.raises(ValueError, match="pinned_host store"):
-    SnapshotManager(SnapshotOptions(store_dir=store_dir, redundancy=Parity(3),
-                                    store=StoreKind.HOST_FILES),
+    SnapshotManager(SnapshotOptions(store=HostFiles(dir=store_dir), redundancy=Parity(3)),
                     slices={0: devs[:4], 1: devs[4:]})
 
 
@@ -185,12 +184,11 @@ def test_pinned_store_never_rebuilds_from_a_flipped_byte(store_dir):
   slice 1's pieces rebuilt, bitwise."""
   import ctypes
 
-  from snapstore import SnapshotManager, StoreKind
+  from snapstore import PinnedHost, SnapshotManager
   from snapstore.testing.backend_suite import abstract, awkward_state, save_steps
   devs = jax.devices()
   s2d = {k: devs[2 * k:2 * k + 2] for k in range(4)}
-  opts = SnapshotOptions(store_dir=store_dir, keep=3, redundancy=Parity(k=3),
-                         store=StoreKind.PINNED_HOST)
+  opts = SnapshotOptions(store=PinnedHost(), keep=3, redundancy=Parity(k=3))
   with SnapshotManager(opts, slices=s2d) as mgr:
     refs = save_steps(mgr, [1, 2, 3])
 
@@ -244,7 +242,7 @@ def test_leaves_in_host_memory_or_complex_keep_full_replicas_not_parity(store_di
   frees what a store holds)."""
   import jax.numpy as jnp
 
-  from snapstore import SnapshotManager, StoreKind
+  from snapstore import PinnedChecksum, PinnedHost, SnapshotManager
   devs = jax.devices()
   s2d = {k: devs[2 * k:2 * k + 2] for k in range(4)}
   mesh = jax.sharding.Mesh(np.array(devs), ("x",))
@@ -261,8 +259,8 @@ def test_leaves_in_host_memory_or_complex_keep_full_replicas_not_parity(store_di
   abstract_state = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   expected = {k: np.asarray(v).copy() for k, v in state.items()}
-  opts = SnapshotOptions(store_dir=store_dir, keep=1, redundancy=Parity(3),
-                         store=StoreKind.PINNED_HOST, pinned_checksum=checksum)
+  opts = SnapshotOptions(store=PinnedHost(checksum=PinnedChecksum(checksum)), keep=1,
+                         redundancy=Parity(3))
   with SnapshotManager(opts, slices=s2d) as mgr:
     for step in (1, 2, 3):  # retention frees the older slots
       mgr.save(step, state)

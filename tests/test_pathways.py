@@ -19,7 +19,16 @@ from pathwaysutils.elastic import elastic as pw_elastic
 from pathwaysutils.elastic.manager import Manager
 from pathwaysutils.test.mock_fault_injection import DeviceLossSimulator
 
-from snapstore import BusyPolicy, Every, Parity, Replicas, SnapshotOptions, StoreKind
+from snapstore import (
+    Auto,
+    BusyPolicy,
+    Every,
+    HostFiles,
+    Parity,
+    PinnedHost,
+    Replicas,
+    SnapshotOptions,
+)
 from snapstore.integrations.pathways import ElasticOptions, ElasticTrainer, Snapshotter
 from tests.helpers import (
   assert_bitwise_equal,
@@ -75,12 +84,12 @@ def slices(monkeypatch, request):
 def run_elastic(store_dir, lose, options, *, fail_at=5, total=8,
                 persistent=None, come_back=True):
   elastic = Manager()
-  snapshots = dataclasses.replace(options.snapshots, store_dir=store_dir, run_id="pw",
+  snapshots = dataclasses.replace(options.snapshots, store=Auto(dir=store_dir), run_id="pw",
                                   persistent_interval=2 if persistent else 0)
   trainer = ElasticTrainer(elastic, options=dataclasses.replace(options, snapshots=snapshots),
                            persistent=persistent)
   # CPU devices have pinned_host memory: the slices' snapshots are pinned arrays.
-  assert trainer.snapshots.store_kind is StoreKind.PINNED_HOST
+  assert trainer.snapshots.store == PinnedHost()
   saved: dict[int, object] = {}
   meshes = []
   # DeviceLossSimulator tracks arrays by id(): keep every array alive so no
@@ -159,7 +168,7 @@ def test_parity_keeps_at_most_0_4x_the_extra_bytes_of_a_replica(store_dir):
   held = {}
   for name, redundancy in {"none": Replicas(0), "replica": Replicas(1),
                            "parity": Parity(3)}.items():
-    with SnapshotManager(SnapshotOptions(store_dir=store_dir, run_id=name, keep=1,
+    with SnapshotManager(SnapshotOptions(store=Auto(dir=store_dir), run_id=name, keep=1,
                                          redundancy=redundancy),
                          slices=s2d) as mgr:
       mgr.save(1, state)
@@ -202,7 +211,7 @@ def test_snapshotter_keeps_single_device_leaves_and_keys(slices, store_dir):
   with pytest.raises(AttributeError, match="mesh"):  # Orbax's own cannot save it
     Orbax().save(3, {"single": single})
   s2d, _, _ = slices
-  snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, keep=1), slices=s2d)
+  snap = Snapshotter(options=SnapshotOptions(store=Auto(dir=store_dir), keep=1), slices=s2d)
   state = make_state(jax.devices(), 3)
   expected = host_copy(state)
   snap.save(3, state)
@@ -218,7 +227,7 @@ def test_a_load_into_numpy_leaves_every_slice_active(slices, store_dir):
   """A state loaded into numpy arrays lives on no slice: the next save of a
   state on both slices still works (it raised: no slice was left active)."""
   s2d, _, _ = slices
-  snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, keep=2), slices=s2d)
+  snap = Snapshotter(options=SnapshotOptions(store=Auto(dir=store_dir), keep=2), slices=s2d)
   mesh = jax.make_mesh((2, 4), ("r", "m"))
   state = {"w": jax.device_put(jnp.arange(64, dtype=jnp.float32).reshape(8, 8),
                                NamedSharding(mesh, P("r", "m")))}
@@ -235,7 +244,7 @@ def test_a_load_into_numpy_leaves_every_slice_active(slices, store_dir):
   snap.close()
 
 
-@pytest.mark.parametrize("store", [StoreKind.PINNED_HOST, StoreKind.HOST_FILES])
+@pytest.mark.parametrize("store", ["pinned_host", "host_files"])
 def test_save_never_drops_a_step_silently(store, store_dir, monkeypatch):
   from snapstore._backends import _copy
   from snapstore._backends.pinned import capture as _pinned_capture
@@ -253,8 +262,9 @@ def test_save_never_drops_a_step_silently(store, store_dir, monkeypatch):
   monkeypatch.setattr(_pinned_capture.PinnedCapture, "wait", slow_wait)
   devs = jax.devices()
   for policy in (BusyPolicy.SKIP, BusyPolicy.WAIT):
-    snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, run_id=policy.value,
-                                               keep=2, busy_policy=policy, store=store),
+    value = PinnedHost() if store == "pinned_host" else HostFiles(dir=store_dir)
+    snap = Snapshotter(options=SnapshotOptions(store=value, run_id=policy.value,
+                                               keep=2, busy_policy=policy),
                        slices={0: devs[:4], 1: devs[4:]})
     snap.save(1, make_state(devs, 1))
     snap.save(2, make_state(devs, 2))  # the first is still draining
@@ -272,7 +282,7 @@ def test_save_never_drops_a_step_silently(store, store_dir, monkeypatch):
 def test_pathwaysutils_workload_runs_with_snapstore_snapshotter(slices, store_dir):
   from pathwaysutils.extras.simple_model import config, workload
   s2d, lose, reconnect = slices
-  snap = Snapshotter(options=SnapshotOptions(store_dir=store_dir, keep=1), slices=s2d)
+  snap = Snapshotter(options=SnapshotOptions(store=Auto(dir=store_dir), keep=1), slices=s2d)
   cfg = config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_heads=2,
                            head_dim=16, num_layers=1, per_device_batch_size=1, seq_len=8)
   w = workload.Workload(config=cfg, devices=jax.devices(), devices_per_slice=4,
@@ -328,7 +338,7 @@ def test_a_store_that_raises_on_read_is_a_lost_domain(store_dir, monkeypatch):
   from snapstore._backends.pinned.store import PinnedHostStore
   devs = jax.devices()
   s2d = {0: devs[:4], 1: devs[4:]}
-  with SnapshotManager(SnapshotOptions(store_dir=store_dir, run_id="raising", keep=2),
+  with SnapshotManager(SnapshotOptions(store=Auto(dir=store_dir), run_id="raising", keep=2),
                        slices=s2d) as mgr:
     for step in (1, 2):
       state = make_state(devs, step)

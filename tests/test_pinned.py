@@ -16,12 +16,15 @@ import numpy as np
 import pytest
 
 from snapstore import (
+  Auto,
   BudgetExceededError,
+  HostFiles,
+  PinnedChecksum,
+  PinnedHost,
   Replicas,
   SnapshotManager,
   SnapshotOptions,
   Source,
-  StoreKind,
   TreeMismatchError,
 )
 from snapstore._checksum import (
@@ -45,8 +48,11 @@ def s2d():
   return {0: devs[:4], 1: devs[4:]}
 
 
-def manager(s2d, **kw):
+def manager(s2d, *, budget_bytes=None, checksum="auto", **kw):
+  """A manager on the pinned-host store of ``s2d`` (``store=``: another)."""
   kw.setdefault("run_id", "pinned")
+  kw.setdefault("store", PinnedHost(checksum=PinnedChecksum(checksum),
+                                    budget_bytes=budget_bytes))
   return SnapshotManager(SnapshotOptions(**kw), slices=s2d)
 
 
@@ -98,14 +104,14 @@ def test_per_shard_checksums_match_each_shard(s2d):
 
 # ----------------------------------------------------------------- placement
 def test_auto_picks_pinned_host_for_slices_and_host_files_otherwise(s2d, store_dir):
-  with manager(s2d, store_dir=store_dir) as mgr:
-    assert mgr._backend.kind is StoreKind.PINNED_HOST
+  with manager(s2d, store=Auto(dir=store_dir)) as mgr:
+    assert mgr.store == PinnedHost()
     # CPU: the controller reads pinned buffers in place
     assert mgr._backend.checksum is ChecksumKind.CRC32C
-  with SnapshotManager(SnapshotOptions(store_dir=store_dir)) as mgr:
-    assert mgr._backend.kind is StoreKind.HOST_FILES
+  with SnapshotManager(SnapshotOptions(store=Auto(dir=store_dir))) as mgr:
+    assert mgr.store == HostFiles(dir=store_dir)
   with pytest.raises(ValueError, match="single controller"):
-    SnapshotManager(SnapshotOptions(store=StoreKind.PINNED_HOST))
+    SnapshotManager(SnapshotOptions(store=PinnedHost()))
 
 
 def test_each_slice_holds_its_pieces_in_its_own_pinned_memory(s2d):
@@ -187,7 +193,7 @@ def test_budget_too_small_raises_before_taking_memory_and_caps_snapshots(s2d):
 def test_restore_is_bitwise_and_survives_donation_and_eviction(s2d, checksum):
   state = make_state(jax.devices(), 2)
   expected = host_copy(state)
-  with manager(s2d, keep=1, pinned_checksum=checksum) as mgr:
+  with manager(s2d, keep=1, checksum=checksum) as mgr:
     mgr.save(2, state)
     step = jax.jit(lambda x: x * 0 - 1, donate_argnums=0)  # overwrites its input
     tp, dp = step(state.pop("tp")), step(state.pop("dp"))
@@ -227,7 +233,7 @@ def test_a_flipped_bit_in_pinned_memory_is_caught_and_another_copy_used(s2d, che
   """'tp': slice 1 keeps a copy of slice 0's piece; 'dp': slice 1's own
   data-parallel twin (on CPU written from the cache as slice 0's copy
   passes, with its checksum): either copy flipped, the other is used."""
-  with manager(s2d, keep=2, pinned_checksum=checksum) as mgr:
+  with manager(s2d, keep=2, checksum=checksum) as mgr:
     for step in (1, 2):
       mgr.save(step, make_state(jax.devices(), step))
     mgr.wait_until_finished()

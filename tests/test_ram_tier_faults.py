@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import snapstore
 from snapstore._backends.hostfiles import store as store_mod
-from tests.helpers import assert_bitwise_equal, host_copy, only_store
+from tests.helpers import assert_bitwise_equal, host_copy, only_store, opts
 
 
 def state_at(step, rows=16):
@@ -44,7 +44,7 @@ def no_room(monkeypatch):
 
 
 def test_a_full_ram_disk_later_in_the_run_is_counted_and_training_goes_on(store_dir, no_room):
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     assert mgr.save(1, state_at(1))
     mgr.wait_until_finished()
     no_room.append(1)  # the disk fills, and the state grows (a new slot size)
@@ -62,8 +62,7 @@ def test_a_full_ram_disk_later_in_the_run_is_counted_and_training_goes_on(store_
 
 
 def test_the_raising_policy_raises_the_first_failure_naming_the_space(store_dir, no_room):
-  o = snapstore.SnapshotOptions(store_dir=store_dir,
-                                failure_policy=snapstore.FailurePolicy.RAISE)
+  o = opts(store_dir, failure_policy=snapstore.FailurePolicy.RAISE)
   with snapstore.SnapshotManager(o) as mgr:
     mgr.save(1, state_at(1))
     mgr.wait_until_finished()
@@ -76,14 +75,14 @@ def test_the_raising_policy_raises_the_first_failure_naming_the_space(store_dir,
 
 def test_a_first_save_that_cannot_fit_raises_under_either_policy(store_dir, no_room):
   no_room.append(1)
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     with pytest.raises(snapstore.BudgetExceededError, match="no room"):
       mgr.save(1, state_at(1))
     assert list(only_store(mgr).root.glob("slot-*.bin")) == []
 
 
 def test_a_failed_drain_is_counted_at_the_next_save_which_still_snapshots(store_dir):
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir)) as mgr:
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     mgr.save(1, state_at(1))
     mgr.wait_until_finished()
     drain = mgr._backend.drain
@@ -104,7 +103,7 @@ def test_a_failed_drain_is_counted_at_the_next_save_which_still_snapshots(store_
 
 def test_a_sparse_slot_left_by_a_cut_allocation_is_allocated_before_it_is_written(
     store_dir, no_room):
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir, keep=1)) as m:
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as m:
     m.save(1, state_at(1))
     m.save(2, state_at(2))
     m.wait_until_finished()
@@ -113,7 +112,7 @@ def test_a_sparse_slot_left_by_a_cut_allocation_is_allocated_before_it_is_writte
     size = p.stat().st_size
     os.truncate(p, 0)
     os.truncate(p, size)
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir, keep=1)) as m:
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as m:
     no_room.append(1)  # and no room to allocate it: an error, not a SIGBUS
     assert m.save(3, state_at(3)) is True  # (the capture reserves; the drain writes)
     with pytest.raises(snapstore.DrainFailedError):
@@ -127,7 +126,7 @@ def test_a_sparse_slot_left_by_a_cut_allocation_is_allocated_before_it_is_writte
 
 
 def test_a_slot_file_with_another_link_is_replaced_never_rewritten(store_dir):
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir, keep=1)) as m:
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as m:
     m.save(1, state_at(1))
     m.save(2, state_at(2))
     m.wait_until_finished()
@@ -137,7 +136,7 @@ def test_a_slot_file_with_another_link_is_replaced_never_rewritten(store_dir):
     link = p.with_name(p.name + ".backup")
     os.link(p, link)
     backups[link] = link.read_bytes()
-  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store_dir=store_dir, keep=1)) as m:
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as m:
     for s in (3, 4, 5):
       m.save(s, state_at(s))
     m.wait_until_finished()

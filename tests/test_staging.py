@@ -172,7 +172,7 @@ def test_auto_on_cpu_devices_keeps_the_zero_copy_views(store_dir):
 def test_single_controller_stores_stage_each_piece_once(store_dir):
   devices = jax.devices()
   state = make_state()
-  with snapstore.SnapshotManager(staged_opts(store_dir, store=snapstore.StoreKind.HOST_FILES),
+  with snapstore.SnapshotManager(staged_opts(store_dir, store=snapstore.HostFiles(dir=store_dir)),
                                  slices={0: devices[:4], 1: devices[4:]}) as mgr:
     mgr.save(1, state)
     assert mgr.metrics.staged_bytes == stored_bytes(state)

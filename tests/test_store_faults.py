@@ -139,7 +139,7 @@ def test_budget_for_two_snapshots_keeps_at_most_two(trainer, store_dir):
       files = list(only_store(mgr).root.glob("*.manifest"))
       slots = list(only_store(mgr).root.glob("slot-*.bin"))
       assert len(files) <= 2 and len(slots) <= 2
-      assert sum(p.stat().st_size for p in slots) <= o.budget_bytes
+      assert sum(p.stat().st_size for p in slots) <= o.store.budget_bytes
     assert mgr.snapshot_steps()[-1] == 7
 
 

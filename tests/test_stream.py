@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from snapstore import SnapshotManager, SnapshotOptions, StoreKind, _checksum
+from snapstore import HostFiles, SnapshotManager, SnapshotOptions, _checksum
 from tests.helpers import assert_bitwise_equal, host_copy
 
 SIZES = [0, 1, 7, 8, 9, 23, 24, 25, 255, 256, 257, 4095, 4096, 4097, 6143, 12288 + 23,
@@ -279,8 +279,8 @@ def test_saves_with_and_without_the_fused_copy_store_the_same_checksums(tmp_path
   for fused in (True, False):
     monkeypatch.setattr(_checksum, "FUSED", fused)
     state = _state(3)
-    mgr = SnapshotManager(SnapshotOptions(store=StoreKind.HOST_FILES,
-                                          store_dir=tmp_path / str(fused), run_id="s"),
+    mgr = SnapshotManager(SnapshotOptions(store=HostFiles(dir=tmp_path / str(fused)),
+                                          run_id="s"),
                           slices={0: devs[:4], 1: devs[4:]})
     try:
       assert mgr.save(3, state)

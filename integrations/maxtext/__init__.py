@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from snapstore import (
+    Auto,
     AutoInterval,
     Every,
     NothingToRestoreError,
@@ -35,7 +36,8 @@ from snapstore import (
 
 from ..pathways import ElasticOptions
 
-# MaxText key -> (snapstore field, default when the key is absent)
+# MaxText key -> (snapstore field, default when the key is absent); ``store_dir``
+# and ``budget_bytes`` are the fields of the store value, ``Auto(dir=, budget_bytes=)``.
 SNAPSHOT_KEYS = {
     "snapshot_interval": ("interval", 1),
     "snapshot_keep": ("keep", 2),
@@ -46,7 +48,8 @@ SNAPSHOT_KEYS = {
     "checkpoint_period": ("persistent_interval", 0),
 }
 # The keys of ``python -m snapstore.integrations.maxtext.train`` (command line
-# or yml): MaxText key -> SnapshotOptions field. ``snapshot_interval=0``: off.
+# or yml): MaxText key -> SnapshotOptions field (``store_dir``, ``budget_bytes``: the
+# store value's, ``store=Auto(dir=, budget_bytes=)``). ``snapshot_interval=0``: off.
 TRAIN_KEYS = {
     "snapshot_interval": "interval",
     "snapshot_keep": "keep",
@@ -66,8 +69,14 @@ class MaxTextConfigError(ValueError):
 def typed(fields: Mapping[str, Any]) -> dict[str, Any]:
   """MaxText's flat values as :class:`SnapshotOptions` fields: ``interval``
   an int (:class:`Every`) or ``"auto"`` with ``host_mtbf_s``
-  (:class:`AutoInterval`), ``replicas`` an int (:class:`Replicas`)."""
+  (:class:`AutoInterval`), ``replicas`` an int (:class:`Replicas`),
+  ``store_dir`` and ``budget_bytes`` the store's (:class:`Auto`: pinned
+  host per slice on Pathways' elastic path, host files otherwise)."""
   out = dict(fields)
+  store = {k: out.pop(f) for f, k in (("store_dir", "dir"), ("budget_bytes", "budget_bytes"))
+           if f in out}
+  if store:
+    out["store"] = Auto(**store)
   mtbf = out.pop("host_mtbf_s", None)
   if "interval" in out:
     v = out["interval"]

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from snapstore import _faults
+from snapstore import HostFiles, PinnedHost, _faults
 
 from . import MaxTextConfigError, _elastic, snapshot_options, split_snapshot_keys
 
@@ -294,7 +294,7 @@ class _Engine:
         f"-r{attempt}" if attempt != "0" else "")
     if self.manager is not None:
       self.report["save_metrics"] = self.manager.metrics.as_dict()
-      self.report["store"] = self.manager.store_kind.value
+      self.report["store"] = _store_name(self.manager.store)
     write_atomic(Path(self._report_dir) / f"{name}.json", json.dumps(self.report).encode())
 
   def close(self) -> None:
@@ -306,6 +306,12 @@ class _Engine:
 # process of a (processes, ITERATOR_ROW_BYTES) uint8 array sharded by
 # process: replicated across failure domains and checked like every shard.
 ITERATOR_ROW_BYTES = 1 << 14
+
+
+def _store_name(store: Any) -> str:
+  """The report's name of the store a manager chose (``Auto()`` resolved)."""
+  return {HostFiles: "host_files", PinnedHost: "pinned_host"}.get(type(store),
+                                                                  type(store).__name__)
 
 
 def _grain_iterator(data_iterator: Any) -> Any:

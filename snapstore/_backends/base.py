@@ -1,9 +1,13 @@
 """The store interface: what :class:`SnapshotManager` asks of a backend.
 
+Public (``snapstore.Backend``) and provisional in 0.x: it may change in a
+minor release while the in-place and Pathways paths settle.
+
 A backend holds one or more *stores* (a process's host store; or, on a single
 controller, one store per failure domain), each with its manifests. The
-manager chooses a backend once, at construction, and from then on talks to
-it only through :class:`Backend`:
+manager has its store value (``SnapshotOptions.store``, :mod:`snapstore.stores`)
+build a backend once, at construction, and from then on talks to it only
+through :class:`Backend`:
 
 * ``capture`` on the training thread: take the state out of reach of the next
   step, reserve room (may evict, may raise ``BudgetExceededError``);
@@ -16,9 +20,12 @@ it only through :class:`Backend`:
   of its own; ``check`` verifies in place);
 * ``forget_domains`` / ``set_active_domains``: failure domains lost, or up.
 
-A new backend passes :mod:`snapstore.testing.backend_suite` (the
-conformance suite): its test module subclasses ``BackendSuite`` and supplies
-its backdoor (``flip``); ``tests/test_backends.py`` does so for each backend here.
+A new backend is a store value whose ``build`` returns it
+(:class:`snapstore.stores.StoreSpec`), and passes
+:mod:`snapstore.testing.backend_suite` (the conformance suite): its test
+module subclasses ``BackendSuite``, declares its store value (``make_store``)
+and supplies its backdoor (``flip``); ``tests/test_backends.py`` does so for
+each backend here, ``tests/test_memory_backend.py`` for one of the tests' own.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from .. import _planner
 from .._assemble import PieceSource
 from .._manifest import Manifest
 from .._tree import LeafSpec, tree_digest
-from ..options import SnapshotOptions, StoreKind
+from ..options import SnapshotOptions
+from ..stores import StoreSpec
 
 # read_progress() of a store that was never asked to save.
 NO_PROGRESS = (-1, -1)
@@ -94,11 +102,15 @@ class Store(Protocol):
 
 
 class Backend(PieceSource, Protocol[PendingT]):
-  """Where snapshots live. Not thread-safe: the manager calls ``capture``,
-  ``manifests``, ``fetch`` and the domain calls from the training thread
-  and ``drain`` from its one drain thread, never both at once."""
+  """Where snapshots live (provisional in 0.x). Not thread-safe: the manager
+  calls ``capture``, ``manifests``, ``fetch`` and the domain calls from the
+  training thread and ``drain`` from its one drain thread, never both at
+  once."""
 
-  kind: StoreKind
+  @property
+  def spec(self) -> StoreSpec:
+    """The store value that built it (``Auto()`` resolved: ``HostFiles`` or
+    ``PinnedHost``); ``SnapshotManager.store`` returns it."""
 
   def store_ids(self) -> list[int]:
     """The stores this process holds (process index, or failure domains)."""

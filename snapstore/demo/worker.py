@@ -77,7 +77,8 @@ class _Worker:
     self.full_devices = self.host_count * jax.local_device_count()
     self.opts = snapstore.SnapshotOptions(
         interval=snapstore.Every(1 if a.snapshots else 10**9), keep=a.keep,
-        store_dir=a.store, run_id=a.run_id, persistent_interval=a.checkpoint_every,
+        store=snapstore.HostFiles(dir=a.store), run_id=a.run_id,
+        persistent_interval=a.checkpoint_every,
         redundancy=(snapstore.Parity(a.parity_k) if a.redundancy == "parity"
                     else snapstore.Replicas(a.replicas)),
         replica_interval=a.replica_interval, hosts_per_domain=a.hosts_per_domain)

@@ -1,26 +1,32 @@
 """The conformance suite every snapshot backend passes, shipped for new ones.
 
-In zarr's ``StoreTests`` manner: a backend's test module subclasses
-:class:`BackendSuite` and supplies only its backdoor, and pytest runs every
-test here on it::
+In zarr's ``StoreTests`` manner (which takes ``store_cls``): a backend's test
+module subclasses :class:`BackendSuite`, declares its store value (the
+``SnapshotOptions.store`` that builds the backend) and supplies its
+backdoor, and pytest runs every test here on it::
 
-    from snapstore import StoreKind
+    from snapstore import HostFiles
     from snapstore.testing.backend_suite import BackendSuite
 
     class TestMyStore(BackendSuite):
-      store = StoreKind.HOST_FILES   # what SnapshotOptions.store names
       slices = True                  # a single controller, 2 failure domains of 4
+
+      def make_store(self, store_dir, *, budget_bytes=None):
+        return HostFiles(dir=store_dir, budget_bytes=budget_bytes)
 
       def flip(self, store, manifest, record, at, mask):
         ...  # XOR byte ``at`` of ``record``'s stored copy in ``store`` with ``mask``
 
-A backend that no ``StoreKind`` names yet also overrides :meth:`BackendSuite.make_backend`
-(``tests/test_memory_backend.py`` runs the suite on an in-memory backend
-written in the tests).
+A backend of one's own is a store value whose ``build`` returns it
+(:class:`snapstore.stores.StoreSpec`): ``tests/test_memory_backend.py``
+runs the suite on an in-memory backend written in the tests by declaring
+its store value. The suite reaches the backend a manager uses through
+:class:`Recorded` (the store value it hands the manager wraps the declared
+one), never through the manager's private fields.
 
 Two tiers:
 
-- **protocol** (``test_protocol_*``): the :class:`~snapstore._backends.base.Backend`
+- **protocol** (``test_protocol_*``): the :class:`~snapstore.Backend`
   alone: capture, then drain, commits a manifest in every live store; a
   fetch returns verified bytes of the caller's own; a corrupted copy raises
   ``BadCopy`` on fetch and on check; a forgotten domain is never written.
@@ -40,8 +46,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent import futures
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,29 +57,81 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from .. import (
-    BudgetExceededError,
-    BusyPolicy,
-    SnapshotManager,
-    SnapshotOptions,
-    Source,
-    StepNotFoundError,
-    StoreKind,
-    _backends,
-    _planner,
+  BudgetExceededError,
+  BusyPolicy,
+  SnapshotManager,
+  SnapshotOptions,
+  Source,
+  StepNotFoundError,
+  _backends,
+  _planner,
 )
 from .._assemble import BadCopy
 from .._backends import Backend
 from .._index import to_slices
 from .._manifest import Manifest, PieceRecord
 from .._tree import flatten, tree_digest
+from ..stores import StoreSpec
 from .checks import assert_bitwise_equal, host_copy
 
-__all__ = ["BackendSuite", "abstract", "awkward_state", "save_steps"]
+__all__ = ["BackendSuite", "Recorded", "abstract", "awkward_state", "backend_of",
+           "save_steps"]
+
+
+class Recorded:
+  """The suite's testing hook: a store value that has ``store`` build the
+  backend and keeps it (:attr:`backend`), so a test reaches the backend its
+  manager uses as ``mgr.options.store.backend`` (:func:`backend_of`). What
+  it hands the manager is a thin proxy of that backend (the backend as
+  built: :attr:`built`), which also lets a
+  test hold each drain until :attr:`drain_gate` is set and counts the
+  pieces of each run fetched (:attr:`runs_fetched`): fault injection by
+  the injected store, not by patching snapstore."""
+
+  def __init__(self, store: StoreSpec):
+    self.store = store
+    self.backend: Any = None
+    self.built: Any = None
+    self.drain_gate: threading.Event | None = None
+    self.runs_fetched: list[int] = []
+
+  def build(self, options: SnapshotOptions, **kw: Any) -> Backend[Any]:
+    self.built = self.store.build(options, **kw)
+    self.backend = _Watched(self.built, self)
+    return self.backend
+
+
+class _Watched:
+  """A backend as built, with :class:`Recorded`'s gate and count around
+  ``drain`` and ``fetch_run``; every other attribute is the backend's."""
+
+  def __init__(self, inner: Any, hook: Recorded):
+    self._inner, self._hook = inner, hook
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._inner, name)
+
+  def drain(self, pending: Any) -> int:
+    if self._hook.drain_gate is not None:
+      self._hook.drain_gate.wait(60)
+    return self._inner.drain(pending)
+
+  def fetch_run(self, plan: Any, copies: Sequence[Any], out: Any) -> list[Any]:
+    self._hook.runs_fetched.append(len(copies))
+    return self._inner.fetch_run(plan, copies, out)
+
+
+def backend_of(mgr: SnapshotManager) -> Any:
+  """The backend of a manager built by :meth:`BackendSuite.manager`."""
+  store = mgr.options.store
+  if not isinstance(store, Recorded) or store.backend is None:
+    raise TypeError("backend_of() takes a manager made by BackendSuite.manager()")
+  return store.backend
 
 
 def _stores(mgr: SnapshotManager) -> dict[int, Any]:
   """The backend's stores by id (every backend here keeps a ``stores`` dict)."""
-  return mgr._backend.stores  # type: ignore[attr-defined]
+  return backend_of(mgr).stores
 
 
 def awkward_state(devices, step):
@@ -115,10 +172,10 @@ def save_steps(mgr, steps, devices=None):
 
 
 class BackendSuite:
-  """Subclass per backend: set :attr:`store` and :attr:`slices`, and
-  implement :meth:`flip` (the backdoor: flip bits of one stored copy)."""
+  """Subclass per backend: implement :meth:`make_store` (the store value
+  under test) and :meth:`flip` (the backdoor: flip bits of one stored
+  copy), and set :attr:`slices`."""
 
-  store: StoreKind = StoreKind.AUTO
   #: a single controller holding one store per failure domain (2 of 4 devices)
   slices: bool = False
 
@@ -127,6 +184,16 @@ class BackendSuite:
     """XORs byte ``at`` of ``record``'s copy in ``store`` (a backend's store
     object; ``manifest`` is that store's manifest of the step) with ``mask``."""
     raise NotImplementedError("a backend's suite supplies its backdoor: flip()")
+
+  def make_store(self, store_dir: Path, *, budget_bytes: int | None = None) -> StoreSpec:
+    """The store value under test (what ``SnapshotOptions.store`` takes).
+
+    Args:
+      store_dir: a fresh directory for this test (a store kept elsewhere,
+        e.g. in memory, ignores it).
+      budget_bytes: the store's byte budget (None: none), for the budget tests.
+    """
+    raise NotImplementedError("a backend's suite declares its store value: make_store()")
 
   # ------------------------------------------------------------ fixtures
   @pytest.fixture
@@ -137,27 +204,15 @@ class BackendSuite:
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
-  def make_backend(self, options: SnapshotOptions, *,
-                   slices: Mapping[int, Sequence[jax.Device]] | None,
-                   pool: futures.Executor) -> Backend[Any]:
-    """A backend that no :class:`StoreKind` names (one written outside
-    snapstore, e.g. a test's own); override it, and :meth:`manager` hands
-    it to the manager in place of the one ``options.store`` names."""
-    raise NotImplementedError
-
-  def manager(self, store_dir: Path, **kw: Any) -> SnapshotManager:
+  def manager(self, store_dir: Path, *, budget_bytes: int | None = None,
+              **kw: Any) -> SnapshotManager:
+    """A manager on :meth:`make_store`'s store (through :class:`Recorded`),
+    with ``kw`` as further :class:`SnapshotOptions`."""
     kw.setdefault("run_id", "conformance")
     devs = jax.devices()
-    options = SnapshotOptions(store=self.store, store_dir=store_dir, **kw)
+    store = Recorded(self.make_store(store_dir, budget_bytes=budget_bytes))
     slices = {0: devs[:4], 1: devs[4:]} if self.slices else None
-    if type(self).make_backend is BackendSuite.make_backend:
-      return SnapshotManager(options, slices=slices)
-    # The manager builds its backend with _backends.build_backend, from options.store
-    # alone; a backend outside that list replaces it for this construction.
-    with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(_backends, "build_backend", lambda options, *, slices, pool, **_: (
-          self.make_backend(options, slices=slices, pool=pool)))
-      return SnapshotManager(options, slices=slices)
+    return SnapshotManager(SnapshotOptions(store=store, **kw), slices=slices)
 
   def need_slices(self) -> None:
     if not self.slices:
@@ -176,7 +231,7 @@ class BackendSuite:
   @staticmethod
   def _drain(mgr: SnapshotManager, step: int, state: Any, replicas: int = 1) -> int:
     """One snapshot through the Backend protocol alone: capture, then drain."""
-    backend = mgr._backend
+    backend = backend_of(mgr)
     specs, leaves, _ = flatten(state)
     header = _backends.Header.for_snapshot(
         mgr.options, incarnation=mgr.incarnation, step=step,
@@ -197,7 +252,7 @@ class BackendSuite:
     with self.manager(store_dir) as mgr:
       state = self._plain_state(jax.devices(), 1)
       stored = self._drain(mgr, 1, state)
-      backend = mgr._backend
+      backend = backend_of(mgr)
       ms = backend.manifests()
       assert sorted(m.store for m in ms) == backend.store_ids()
       specs, _, _ = flatten(state)
@@ -213,7 +268,7 @@ class BackendSuite:
       state = self._plain_state(jax.devices(), 3)
       want = host_copy(state)
       self._drain(mgr, 3, state)
-      backend = mgr._backend
+      backend = backend_of(mgr)
       plan = _planner.choose(backend.manifests())
       assert plan is not None
       for (leaf, index), copies in plan.copies.items():
@@ -231,7 +286,7 @@ class BackendSuite:
   def test_protocol_a_corrupted_copy_raises_on_fetch_and_check(self, store_dir):
     with self.manager(store_dir) as mgr:
       self._drain(mgr, 2, self._plain_state(jax.devices(), 2))
-      backend = mgr._backend
+      backend = backend_of(mgr)
       store_id = backend.store_ids()[0]
       store = _stores(mgr)[store_id]
       (m,) = store.manifests()
@@ -252,7 +307,7 @@ class BackendSuite:
     self.need_slices()
     devs = jax.devices()
     with self.manager(store_dir) as mgr:
-      backend = mgr._backend
+      backend = backend_of(mgr)
       self._drain(mgr, 1, self._plain_state(devs, 1))
       backend.forget_domains([1], "slice lost")
       assert [m for m in backend.manifests() if m.store == 1] == []
@@ -301,13 +356,7 @@ class BackendSuite:
   @pytest.mark.parametrize("policy", [BusyPolicy.WAIT, BusyPolicy.SKIP])
   def test_busy_policy_waits_or_skips_and_counts(self, store_dir, policy):
     with self.manager(store_dir, busy_policy=policy) as mgr:
-      gate = threading.Event()
-      real_drain = mgr._backend.drain
-
-      def gated_drain(pending):
-        gate.wait(60)
-        return real_drain(pending)
-      mgr._backend.drain = gated_drain  # type: ignore[method-assign]
+      gate = mgr.options.store.drain_gate = threading.Event()  # type: ignore[attr-defined]
       mgr.save(1, awkward_state(jax.devices(), 1))
       if policy is BusyPolicy.SKIP:
         assert not mgr.save(2, awkward_state(jax.devices(), 2))
@@ -329,10 +378,7 @@ class BackendSuite:
     returns: the snapshot keeps its bytes (a DLPack hold on a shard made
     XLA abort the process instead)."""
     with self.manager(store_dir) as mgr:
-      gate = threading.Event()
-      real_drain = mgr._backend.drain
-      mgr._backend.drain = (  # type: ignore[method-assign]
-          lambda pending: (gate.wait(60), real_drain(pending))[1])
+      gate = mgr.options.store.drain_gate = threading.Event()  # type: ignore[attr-defined]
       state = awkward_state(jax.devices(), 1)
       ref = host_copy(state)
       mgr.save(1, state)
@@ -379,13 +425,11 @@ class BackendSuite:
     assert_bitwise_equal(refs[want], r.state)
     assert any("step 2" in n and leaf in n for n in r.notes), r.notes
 
-  def test_a_flipped_byte_in_the_middle_of_a_run_is_caught(self, store_dir, monkeypatch):
+  def test_a_flipped_byte_in_the_middle_of_a_run_is_caught(self, store_dir):
     """Many small leaves lie back to back in a slot and are fetched as runs
     (one copy, then each piece's crc32c): a flipped byte in one piece in the
     middle of a run rejects that piece alone; the others of its run are still
     taken from it, and the restore is bitwise."""
-    from snapstore import _assemble
-
     def state(step):
       out = awkward_state(jax.devices(), step)
       mesh = out["tp"].sharding.mesh
@@ -394,14 +438,6 @@ class BackendSuite:
             jnp.arange(32 * 64, dtype=jnp.float32).reshape(32, 64) * step + i,
             NamedSharding(mesh, P(None, "model")))
       return out
-    runs: list[int] = []
-    real = _assemble.Assembler._fetch_item
-
-    def counted(self, item, out):
-      if isinstance(item, list):
-        runs.append(len(item))
-      return real(self, item, out)
-    monkeypatch.setattr(_assemble.Assembler, "_fetch_item", counted)
     with self.manager(store_dir) as mgr:
       refs = {}
       for s in (1, 2):
@@ -414,7 +450,8 @@ class BackendSuite:
     assert r.step == want
     assert_bitwise_equal(refs[want], r.state)
     assert any("step 2" in n and "m05" in n for n in r.notes), r.notes
-    if mgr._backend.runs:  # host files: pieces went in runs of several
+    runs = mgr.options.store.runs_fetched  # type: ignore[attr-defined]
+    if backend_of(mgr).runs:  # host files: pieces went in runs of several
       assert max(runs) > 4, runs
     else:
       assert not runs
@@ -464,7 +501,7 @@ class BackendSuite:
   def test_other_runs_and_older_incarnations_are_fenced(self, store_dir):
     with self.manager(store_dir, incarnation=5) as mgr:
       refs = save_steps(mgr, [1, 2])
-      sid = mgr._backend.store_ids()[0]
+      sid = backend_of(mgr).store_ids()[0]
       store = _stores(mgr)[sid]
       m2 = next(m for m in store.manifests() if m.step == 2)
       store.commit(dataclasses.replace(m2, run_id="another-run", step=8))

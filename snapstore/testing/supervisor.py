@@ -183,9 +183,10 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   exit 0, restarting the whole job after a failure.
 
   The JAX coordination service listens on ``bind_address`` only (loopback
-  by default). A kill the supervisor cannot see happen (its host never
-  reports the step in ``store_dir``: is the worker's store elsewhere?) is an
-  error, not a silent no-op.
+  by default). ``store_dir`` is the workers' store directory (their
+  ``HostFiles.dir``), where the supervisor reads each host's progress: a
+  kill the supervisor cannot see happen (its host never reports the step
+  there: is the worker's store elsewhere?) is an error, not a silent no-op.
 
   ``in_place``: the workers recover in place (:mod:`snapstore.recovery`):
   the supervisor hosts the coordination service, and a worker that dies is

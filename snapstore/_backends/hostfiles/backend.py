@@ -32,7 +32,8 @@ from ..._index import Index, shape_of
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafSpec
-from ...options import SnapshotOptions, Staging, StoreKind
+from ...options import SnapshotOptions, Staging
+from ...stores import HostFiles
 from .. import _copy
 from ..base import DomainStores, Header
 from ..staging import Report, Stager
@@ -64,13 +65,13 @@ class HostFilesBackend(DomainStores):
   """Snapshots in files on a RAM disk, one store per process (or per failure
   domain on a single controller)."""
 
-  kind = StoreKind.HOST_FILES
   runs = True  # a slot's consecutive pieces are fetched in one copy (fetch_run)
 
-  def __init__(self, options: SnapshotOptions, *, host: int, num_hosts: int,
+  def __init__(self, options: SnapshotOptions, spec: HostFiles, *, host: int, num_hosts: int,
                slices: Mapping[int, Sequence[jax.Device]] | None,
                pool: futures.Executor):
     self.options = options
+    self.spec = spec
     self._pool = pool
     # host copies: fetched in parallel (Assembler.prefetch)
     self.prefetch_pool: futures.Executor | None = pool
@@ -79,9 +80,9 @@ class HostFilesBackend(DomainStores):
     self._domain_of = ({d: k for k, devs in slices.items() for d in devs}
                        if slices is not None else None)
     ids = sorted(slices) if slices is not None else [host]
-    super().__init__({i: HostStore(host_dir(options.store_dir, options.run_id, i),
+    super().__init__({i: HostStore(host_dir(spec.dir, options.run_id, i),
                                    run_id=options.run_id, host=i, keep=options.keep,
-                                   budget_bytes=options.budget_bytes) for i in ids},
+                                   budget_bytes=spec.budget_bytes) for i in ids},
                      run_id=options.run_id)
     self._domains = (host_domains(jax.devices(), options.hosts_per_domain)
                      if num_hosts > 1 else None)

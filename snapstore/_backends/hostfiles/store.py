@@ -81,7 +81,7 @@ def secure_dir(path: Path, *, create: bool, shared_ok: bool = False) -> None:
   if why:
     raise errors.UnsafeStoreError(
         f"refusing the snapshot store: {path} {why}. Nothing was read or changed; use a "
-        "store_dir of your own (mode 0700), or remove what is there.")
+        "HostFiles(dir=...) of your own (mode 0700), or remove what is there.")
 
 
 def open_regular(path: Path, flags: int = _READ, mode: int = 0o600) -> int:

@@ -34,7 +34,8 @@ from ..._index import Index
 from ..._manifest import piece_row
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafKind, LeafSpec
-from ...options import SnapshotOptions, StoreKind
+from ...options import SnapshotOptions
+from ...stores import PinnedChecksum, PinnedHost
 from .. import _copy
 from ..base import DomainStores, Header
 from . import capture as _capture
@@ -44,12 +45,13 @@ from .store import PINNED, PinnedHostStore, Stored
 logger = logging.getLogger(__name__)
 
 
-def checksum_for(devices: Sequence[jax.Device], choice: str) -> ChecksumKind:
-  """``pinned_checksum`` -> kind: crc32c where the controller addresses
+def checksum_for(devices: Sequence[jax.Device], choice: PinnedChecksum) -> ChecksumKind:
+  """``PinnedHost.checksum`` -> kind: crc32c where the controller addresses
   pinned memory in place (CPU), an on-device sum elsewhere."""
-  if choice == "auto":
-    choice = "host" if all(d.platform == "cpu" for d in devices) else "device"
-  return ChecksumKind.CRC32C if choice == "host" else ChecksumKind.DEVICE_SUM
+  if choice is PinnedChecksum.AUTO:
+    choice = (PinnedChecksum.HOST if all(d.platform == "cpu" for d in devices)
+              else PinnedChecksum.DEVICE)
+  return ChecksumKind.CRC32C if choice is PinnedChecksum.HOST else ChecksumKind.DEVICE_SUM
 
 
 @dataclasses.dataclass
@@ -62,16 +64,16 @@ class _Pending:
 class PinnedHostBackend(DomainStores):
   """``pinned_host`` arrays per failure domain, held by the controller."""
 
-  kind = StoreKind.PINNED_HOST
   runs = False  # pieces are arrays of their own, not bytes of one slot
 
-  def __init__(self, options: SnapshotOptions, *,
+  def __init__(self, options: SnapshotOptions, spec: PinnedHost, *,
                slices: Mapping[int, Sequence[jax.Device]], pool: futures.Executor):
     self.options = options
+    self.spec = spec
     self._pool = pool
     self._slices = {k: list(v) for k, v in slices.items()}
     self.checksum = checksum_for([d for v in slices.values() for d in v],
-                                 options.pinned_checksum)
+                                 spec.checksum)
     # Where this process can read the pinned bytes (CRC32C: on CPU), a piece
     # is verified while it is copied out (one pass, on the pool, ahead of
     # use) and the copy put back; else each leaf is put back from its
@@ -79,7 +81,7 @@ class PinnedHostBackend(DomainStores):
     self.prefetch_pool = pool if self.checksum is ChecksumKind.CRC32C else None
     self.prefetch_workers = options.copy_threads
     super().__init__({i: PinnedHostStore(i, keep=options.keep,
-                                         budget_bytes=options.budget_bytes)
+                                         budget_bytes=spec.budget_bytes)
                       for i in sorted(slices)}, run_id=options.run_id)
 
 
