@@ -51,7 +51,9 @@ def stored_bytes(state: dict) -> int:
   for x in jax.tree.leaves(state):
     if isinstance(x, jax.Array):
       x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-      total += sum({s.index: s.data.nbytes for s in x.addressable_shards}.values())
+      # (slices are hashable from Python 3.12 only)
+      total += sum({tuple((i.start, i.stop) for i in s.index): s.data.nbytes
+                    for s in x.addressable_shards}.values())
   return total
 
 
