@@ -27,7 +27,7 @@ from . import _arena, _backends, _faults, _interval, _planner, _switch, _waterma
 from ._arena import ArenaCache
 from ._tree import LeafSpec
 from .metrics import SaveMetrics
-from .options import BusyPolicy, FailurePolicy, SnapshotOptions
+from .options import BusyPolicy, Every, FailurePolicy, SnapshotOptions
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ class Saver:
     # (mismatched collectives: gloo aborts the process on the size mismatch).
     travel = self.options.carries_replicas(step)
     copies = self.options.copies
-    header = dataclasses.replace(header, watermark=self._agree(step))
+    header = dataclasses.replace(header, watermark=self._agree(step) if self._agree_due(step)
+                                 else -1 if self.watermark is None else self.watermark)
     try:
       with _switch.collections_paused(self.options.pause_gc):
         return self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
@@ -140,6 +141,17 @@ class Saver:
           f"step {step}: leaf {gone[0]!r}{more} was deleted, e.g. donated to a jitted step "
           "that has run since: save the state a step returns before passing it to the next "
           "one. Nothing of this step was saved.") from e
+
+  def _agree_due(self, step: int) -> bool:
+    """Whether the capture of ``step`` agrees anew: unless, with snapshots
+    every ``n`` steps, the snapshot ``n`` steps back carried no replicas
+    (``replica_interval`` > 1): then no step that could raise the watermark
+    was saved since the last agreement, and the last one learned stands
+    (deletions protect it as ever). From the step and the options alone,
+    the same on every process (a collective must run on all or none)."""
+    every = self.options.interval.steps if isinstance(self.options.interval, Every) else None
+    return (every is None or self.options.copies == 0
+            or self.options.carries_replicas(step - every))
 
   def _agree(self, step: int) -> int:
     """The job's retention watermark at the capture of ``step`` (-1: none),

@@ -267,3 +267,21 @@ def test_inspect_shows_the_watermark_and_why_each_step_is_kept(store_dir, capsys
   assert report["watermarks"] == {"0": 2}
   kept = {r["step"]: r["kept"] for r in report["manifests"]}
   assert kept[2].startswith("the job's watermark") and kept[3].startswith("newer"), kept
+
+
+def test_with_replicas_every_other_snapshot_only_carriers_become_the_watermark(store_dir):
+  """replica_interval=2: only the steps that carried their replicas count,
+  and a capture right after one that carried none agrees nothing anew (no
+  collective): the last watermark stands, and is kept."""
+  import jax.numpy as jnp
+
+  import snapstore
+  from tests.helpers import opts
+  with snapstore.SnapshotManager(opts(store_dir, keep=1, replica_interval=2)) as mgr:
+    seen = []
+    for step in range(1, 8):
+      mgr.save(step, {"w": jnp.full((64,), step, jnp.float32)})
+      mgr.wait_until_finished()
+      seen.append((mgr.metrics.watermark, mgr.snapshot_steps()))
+  # carriers are the even steps; step 6's capture agreed nothing (5 carried none)
+  assert seen[4:] == [(4, [4, 5]), (4, [4, 6]), (6, [6, 7])], seen
