@@ -1,7 +1,7 @@
 """snapstore: per-step in-RAM snapshots of JAX train state, beside Orbax."""
 
 from . import errors as errors, stores as stores
-from ._backends import Backend as Backend
+from ._backends import Backend as Backend, StoreSpec as StoreSpec
 from ._manager import SnapshotManager as SnapshotManager
 from ._persistent import OrbaxTier as OrbaxTier
 from .errors import (
@@ -40,7 +40,6 @@ from .stores import (
     HostFiles as HostFiles,
     PinnedChecksum as PinnedChecksum,
     PinnedHost as PinnedHost,
-    StoreSpec as StoreSpec,
 )
 
 __version__ = "0.9.0"

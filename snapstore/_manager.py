@@ -23,7 +23,6 @@ from ._persistent import OrbaxTier
 from ._tree import flatten
 from .metrics import RestoreResult, SaveMetrics, Source
 from .options import SnapshotOptions
-from .stores import StoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +57,8 @@ class SnapshotManager:
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
     self._copy_pool = futures.ThreadPoolExecutor(
         self.options.copy_threads, thread_name_prefix="snapstore-copy")
-    self._backend: _backends.Backend[Any] = self.options.store.build(
-        self.options, host=self.host, num_hosts=self.num_hosts, slices=slices,
+    self._backend: _backends.Backend[Any] = _backends.build(
+        self.options.store, self.options, host=self.host, num_hosts=self.num_hosts, slices=slices,
         pool=self._copy_pool)
     self._peers = _multihost.for_job(self.host, self.num_hosts)
     self.persistent = (persistent if persistent is None or isinstance(persistent, OrbaxTier)
@@ -139,7 +138,7 @@ class SnapshotManager:
     self._saver.raise_drain_error()
 
   @property
-  def store(self) -> StoreSpec:
+  def store(self) -> Any:
     """The store value that built this manager's backend: ``options.store``,
     with ``Auto()`` resolved (``HostFiles`` or ``PinnedHost``)."""
     return self._backend.spec

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from typing import Any
 
-from .stores import Auto, StoreSpec
+from .stores import Auto, HostFiles, PinnedHost
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 MAX_INT = 2**48  # steps, incarnations, sizes: far beyond use, far below overflow
@@ -143,7 +144,7 @@ class SnapshotOptions:
       ``Auto()`` (the pinned-host store on a single controller given
       ``slices=`` whose devices have pinned host memory, host files
       otherwise), or any value whose ``build(...)`` returns a backend
-      (:class:`snapstore.stores.StoreSpec`).
+      (:class:`snapstore.StoreSpec`).
     drain_switch_interval_s: while a snapshot drains on its background
       thread, the interpreter's thread switch interval
       (``sys.setswitchinterval``) is lowered to this many seconds, so the
@@ -205,7 +206,7 @@ class SnapshotOptions:
   replica_interval: int = 1
   hosts_per_domain: int | None = None
   incarnation: int | None = None
-  store: StoreSpec = Auto()
+  store: Any = Auto()  # HostFiles | PinnedHost | Auto | a StoreSpec of one's own
   drain_switch_interval_s: float | None = 0.0005
   pause_gc: bool = True
   prefault_restore: bool = True
@@ -254,7 +255,8 @@ class SnapshotOptions:
     if self.staging_piece_bytes > 1 << 30:
       raise ValueError(
           f"staging_piece_bytes must be at most 1 GiB, got {self.staging_piece_bytes}")
-    if not callable(getattr(self.store, "build", None)):
+    if not isinstance(self.store, (HostFiles, PinnedHost, Auto)) and not callable(
+        getattr(self.store, "build", None)):
       raise TypeError("store must be a store value with a build(...) method: HostFiles(...), "
                       f"PinnedHost(...), Auto() or a StoreSpec of your own, got {self.store!r}")
     if not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id) or \

@@ -1,4 +1,4 @@
-"""Where snapshots live: store values that build their backend.
+"""Where snapshots live: the store values.
 
 ``SnapshotOptions(store=...)`` takes one of these, as ``interval`` takes
 ``Every`` and ``redundancy`` takes ``Replicas``::
@@ -8,9 +8,10 @@
     Auto()                                                     # the default: one of the two
 
 or any value of one's own with a ``build(...)`` that returns a
-:class:`~snapstore.Backend` (:class:`StoreSpec`): the
-manager calls it once, at construction, and from then on talks to the
-backend only. A new backend passes :mod:`snapstore.testing.backend_suite`
+:class:`~snapstore.Backend` (:class:`~snapstore.StoreSpec`). The manager
+builds the backend once, at construction (``snapstore._backends.build``:
+the values here are plain data, built there), and from then on talks to
+the backend only. A new backend passes :mod:`snapstore.testing.backend_suite`
 by declaring its store value in a test class.
 """
 
@@ -19,20 +20,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from collections.abc import Mapping, Sequence
-from concurrent import futures
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-if TYPE_CHECKING:  # (the backends import the options, which import these values)
-  import jax
-
-  from ._backends import Backend
-  from .options import SnapshotOptions
 
 DEFAULT_STORE_DIR = "/dev/shm/snapstore"
 _MAX_BUDGET = 2**48
 
-__all__ = ["DEFAULT_STORE_DIR", "Auto", "HostFiles", "PinnedChecksum", "PinnedHost", "StoreSpec"]
+__all__ = ["DEFAULT_STORE_DIR", "Auto", "HostFiles", "PinnedChecksum", "PinnedHost"]
 
 
 class PinnedChecksum(enum.Enum):
@@ -42,33 +34,6 @@ class PinnedChecksum(enum.Enum):
   HOST = "host"      # crc32c of the pinned buffer, in place
   DEVICE = "device"  # a 64-bit sum computed by XLA on the device, for memory the
                      # controller cannot address
-
-
-@runtime_checkable
-class StoreSpec(Protocol):
-  """A store value: builds the backend a :class:`SnapshotManager` keeps its
-  snapshots in. Called once, by the manager's constructor (collective on a
-  multi-controller job: every process builds its own)."""
-
-  def build(self, options: SnapshotOptions, *, host: int, num_hosts: int,
-            slices: Mapping[int, Sequence[jax.Device]] | None,
-            pool: futures.Executor) -> Backend[Any]:
-    """The backend for this store.
-
-    Args:
-      options: the manager's options (``run_id``, ``keep``, ``chunk_bytes``...).
-      host: this process's index; num_hosts: the processes of the job.
-      slices: single controller only: failure domain -> its devices (None:
-        one store for this process).
-      pool: the manager's copy threads, for the backend's copies.
-
-    Returns:
-      A :class:`~snapstore.Backend`.
-
-    Raises:
-      ValueError: this store cannot serve this job (say why, and what to use).
-    """
-    ...
 
 
 def _check_budget(owner: str, budget_bytes: object) -> None:
@@ -82,12 +47,6 @@ def _check_budget(owner: str, budget_bytes: object) -> None:
 def _check_dir(owner: str, path: object) -> None:
   if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
     raise ValueError(f"{owner}.dir must be a non-empty path, got {path!r}")
-
-
-def _one_controller(slices: Mapping[int, Sequence[jax.Device]] | None, num_hosts: int) -> None:
-  if slices is not None and num_hosts > 1:
-    raise ValueError("slices= is for a single controller (one process); with "
-                     "jax.distributed each process keeps its own host store")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,21 +70,6 @@ class HostFiles:
     _check_dir("HostFiles", self.dir)
     _check_budget("HostFiles", self.budget_bytes)
 
-  def build(self, options: SnapshotOptions, *, host: int, num_hosts: int,
-            slices: Mapping[int, Sequence[jax.Device]] | None,
-            pool: futures.Executor) -> Backend[Any]:
-    """A :class:`HostFilesBackend`; one store per failure domain under
-    ``slices=``. Raises ValueError for ``slices=`` on several processes, or
-    with ``Parity`` (host files keep full replicas there)."""
-    _one_controller(slices, num_hosts)
-    if slices is not None and options.parity_k is not None:
-      raise ValueError("redundancy=Parity(k) on a single controller needs the pinned_host "
-                       "store (store=PinnedHost(), devices with pinned_host memory); host "
-                       "files with slices= keep full replicas (redundancy=Replicas(n))")
-    from ._backends import HostFilesBackend
-    return HostFilesBackend(options, self, host=host, num_hosts=num_hosts, slices=slices,
-                            pool=pool)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PinnedHost:
@@ -147,26 +91,12 @@ class PinnedHost:
       raise TypeError(f"PinnedHost.checksum must be a PinnedChecksum, got {self.checksum!r}")
     _check_budget("PinnedHost", self.budget_bytes)
 
-  def build(self, options: SnapshotOptions, *, host: int, num_hosts: int,
-            slices: Mapping[int, Sequence[jax.Device]] | None,
-            pool: futures.Executor) -> Backend[Any]:
-    """A :class:`PinnedHostBackend`, one store per slice. Raises ValueError
-    without ``slices=`` (or on several processes)."""
-    _one_controller(slices, num_hosts)
-    if slices is None:
-      raise ValueError(
-          "the pinned_host store is for a single controller: pass slices= (failure "
-          "domain -> devices). With jax.distributed, host files outlive the process "
-          "that wrote them; pinned host memory does not.")
-    from ._backends import PinnedHostBackend
-    return PinnedHostBackend(options, self, slices=slices, pool=pool)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Auto:
   """:class:`PinnedHost` for a single controller given ``slices=`` whose
-  devices all have ``pinned_host`` memory, else :class:`HostFiles` (what
-  :meth:`resolve` returns; ``SnapshotManager.store`` is the one chosen).
+  devices all have ``pinned_host`` memory, else :class:`HostFiles`
+  (``SnapshotManager.store`` is the one chosen).
 
   Attributes:
     dir: the host files' directory (:attr:`HostFiles.dir`).
@@ -179,19 +109,3 @@ class Auto:
   def __post_init__(self) -> None:
     _check_dir("Auto", self.dir)
     _check_budget("Auto", self.budget_bytes)
-
-  def resolve(self, slices: Mapping[int, Sequence[jax.Device]] | None
-              ) -> HostFiles | PinnedHost:
-    """The store this value stands for, given the manager's ``slices``."""
-    from ._backends import supports_pinned_host
-    devices = [d for devs in (slices or {}).values() for d in devs]
-    if slices is not None and supports_pinned_host(devices):
-      return PinnedHost(budget_bytes=self.budget_bytes)
-    return HostFiles(dir=self.dir, budget_bytes=self.budget_bytes)
-
-  def build(self, options: SnapshotOptions, *, host: int, num_hosts: int,
-            slices: Mapping[int, Sequence[jax.Device]] | None,
-            pool: futures.Executor) -> Backend[Any]:
-    """The backend of :meth:`resolve`'s store."""
-    return self.resolve(slices).build(options, host=host, num_hosts=num_hosts, slices=slices,
-                                      pool=pool)

@@ -21,7 +21,7 @@ through :class:`Backend`:
 * ``forget_domains`` / ``set_active_domains``: failure domains lost, or up.
 
 A new backend is a store value whose ``build`` returns it
-(:class:`snapstore.stores.StoreSpec`), and passes
+(:class:`StoreSpec`), and passes
 :mod:`snapstore.testing.backend_suite` (the conformance suite): its test
 module subclasses ``BackendSuite``, declares its store value (``make_store``)
 and supplies its backdoor (``flip``); ``tests/test_backends.py`` does so for
@@ -32,14 +32,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from concurrent import futures
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from .. import _planner
 from .._assemble import PieceSource
 from .._manifest import Manifest
 from .._tree import LeafSpec, tree_digest
 from ..options import SnapshotOptions
-from ..stores import StoreSpec
+
+if TYPE_CHECKING:
+  from collections.abc import Mapping
+
+  import jax
 
 # read_progress() of a store that was never asked to save.
 NO_PROGRESS = (-1, -1)
@@ -101,6 +106,35 @@ class Store(Protocol):
   def delete(self, manifest: Manifest, reason: str) -> None: ...
 
 
+@runtime_checkable
+class StoreSpec(Protocol):
+  """A store value of one's own: builds the backend a
+  :class:`~snapstore.SnapshotManager` keeps its snapshots in (the built-in
+  values, :mod:`snapstore.stores`, are built by :func:`snapstore._backends.build`).
+  Called once, by the manager's constructor (collective on a
+  multi-controller job: every process builds its own)."""
+
+  def build(self, options: SnapshotOptions, *, host: int, num_hosts: int,
+            slices: Mapping[int, Sequence[jax.Device]] | None,
+            pool: futures.Executor) -> Backend[Any]:
+    """The backend for this store.
+
+    Args:
+      options: the manager's options (``run_id``, ``keep``, ``chunk_bytes``...).
+      host: this process's index; num_hosts: the processes of the job.
+      slices: single controller only: failure domain -> its devices (None:
+        one store for this process).
+      pool: the manager's copy threads, for the backend's copies.
+
+    Returns:
+      A :class:`Backend`.
+
+    Raises:
+      ValueError: this store cannot serve this job (say why, and what to use).
+    """
+    ...
+
+
 class Backend(PieceSource, Protocol[PendingT]):
   """Where snapshots live (provisional in 0.x). Not thread-safe: the manager
   calls ``capture``, ``manifests``, ``fetch`` and the domain calls from the
@@ -108,7 +142,7 @@ class Backend(PieceSource, Protocol[PendingT]):
   once."""
 
   @property
-  def spec(self) -> StoreSpec:
+  def spec(self) -> Any:
     """The store value that built it (``Auto()`` resolved: ``HostFiles`` or
     ``PinnedHost``); ``SnapshotManager.store`` returns it."""
 

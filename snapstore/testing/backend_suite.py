@@ -18,7 +18,7 @@ backdoor, and pytest runs every test here on it::
         ...  # XOR byte ``at`` of ``record``'s stored copy in ``store`` with ``mask``
 
 A backend of one's own is a store value whose ``build`` returns it
-(:class:`snapstore.stores.StoreSpec`): ``tests/test_memory_backend.py``
+(:class:`snapstore.StoreSpec`): ``tests/test_memory_backend.py``
 runs the suite on an in-memory backend written in the tests by declaring
 its store value. The suite reaches the backend a manager uses through
 :class:`Recorded` (the store value it hands the manager wraps the declared
@@ -71,7 +71,6 @@ from .._backends import Backend
 from .._index import to_slices
 from .._manifest import Manifest, PieceRecord
 from .._tree import flatten, tree_digest
-from ..stores import StoreSpec
 from .checks import assert_bitwise_equal, host_copy
 
 __all__ = ["BackendSuite", "Recorded", "abstract", "awkward_state", "backend_of",
@@ -88,7 +87,7 @@ class Recorded:
   pieces of each run fetched (:attr:`runs_fetched`): fault injection by
   the injected store, not by patching snapstore."""
 
-  def __init__(self, store: StoreSpec):
+  def __init__(self, store: Any):
     self.store = store
     self.backend: Any = None
     self.built: Any = None
@@ -96,7 +95,7 @@ class Recorded:
     self.runs_fetched: list[int] = []
 
   def build(self, options: SnapshotOptions, **kw: Any) -> Backend[Any]:
-    self.built = self.store.build(options, **kw)
+    self.built = _backends.build(self.store, options, **kw)
     self.backend = _Watched(self.built, self)
     return self.backend
 
@@ -185,7 +184,7 @@ class BackendSuite:
     object; ``manifest`` is that store's manifest of the step) with ``mask``."""
     raise NotImplementedError("a backend's suite supplies its backdoor: flip()")
 
-  def make_store(self, store_dir: Path, *, budget_bytes: int | None = None) -> StoreSpec:
+  def make_store(self, store_dir: Path, *, budget_bytes: int | None = None) -> Any:
     """The store value under test (what ``SnapshotOptions.store`` takes).
 
     Args:
@@ -356,7 +355,7 @@ class BackendSuite:
   @pytest.mark.parametrize("policy", [BusyPolicy.WAIT, BusyPolicy.SKIP])
   def test_busy_policy_waits_or_skips_and_counts(self, store_dir, policy):
     with self.manager(store_dir, busy_policy=policy) as mgr:
-      gate = mgr.options.store.drain_gate = threading.Event()  # type: ignore[attr-defined]
+      gate = mgr.options.store.drain_gate = threading.Event()
       mgr.save(1, awkward_state(jax.devices(), 1))
       if policy is BusyPolicy.SKIP:
         assert not mgr.save(2, awkward_state(jax.devices(), 2))
@@ -378,7 +377,7 @@ class BackendSuite:
     returns: the snapshot keeps its bytes (a DLPack hold on a shard made
     XLA abort the process instead)."""
     with self.manager(store_dir) as mgr:
-      gate = mgr.options.store.drain_gate = threading.Event()  # type: ignore[attr-defined]
+      gate = mgr.options.store.drain_gate = threading.Event()
       state = awkward_state(jax.devices(), 1)
       ref = host_copy(state)
       mgr.save(1, state)
@@ -450,7 +449,7 @@ class BackendSuite:
     assert r.step == want
     assert_bitwise_equal(refs[want], r.state)
     assert any("step 2" in n and "m05" in n for n in r.notes), r.notes
-    runs = mgr.options.store.runs_fetched  # type: ignore[attr-defined]
+    runs = mgr.options.store.runs_fetched
     if backend_of(mgr).runs:  # host files: pieces went in runs of several
       assert max(runs) > 4, runs
     else:
