@@ -57,9 +57,8 @@ class SnapshotManager:
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
     self._copy_pool = futures.ThreadPoolExecutor(
         self.options.copy_threads, thread_name_prefix="snapstore-copy")
-    self._backend: _backends.Backend[Any] = _backends.build(
-        self.options.store, self.options, host=self.host, num_hosts=self.num_hosts, slices=slices,
-        pool=self._copy_pool)
+    self._backend: _backends.Backend[Any] = _backends.build(self.options.store, self.options,
+        host=self.host, num_hosts=self.num_hosts, slices=slices, pool=self._copy_pool)
     self._peers = _multihost.for_job(self.host, self.num_hosts)
     self.persistent = (persistent if persistent is None or isinstance(persistent, OrbaxTier)
                        else OrbaxTier(persistent))
@@ -139,8 +138,7 @@ class SnapshotManager:
 
   @property
   def store(self) -> Any:
-    """The store value that built this manager's backend: ``options.store``,
-    with ``Auto()`` resolved (``HostFiles`` or ``PinnedHost``)."""
+    """The store value that built the backend (``options.store``, ``Auto()`` resolved)."""
     return self._backend.spec
 
   def forget_domains(self, domains: Sequence[int], reason: str) -> None:
