@@ -126,8 +126,10 @@ class Saver:
     # (mismatched collectives: gloo aborts the process on the size mismatch).
     travel = self.options.carries_replicas(step)
     copies = self.options.copies
-    header = dataclasses.replace(header, watermark=self._agree(step) if self._agree_due(step)
-                                 else -1 if self.watermark is None else self.watermark)
+    if self._agree_due(step):
+      self._agree(step)
+    header = dataclasses.replace(header, watermark=-1 if self.watermark is None
+                                 else self.watermark)
     try:
       with _switch.collections_paused(self.options.pause_gc):
         return self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
@@ -153,14 +155,14 @@ class Saver:
     return (every is None or self.options.copies == 0
             or self.options.carries_replicas(step - every))
 
-  def _agree(self, step: int) -> int:
-    """The job's retention watermark at the capture of ``step`` (-1: none),
-    learned from every store's record (:mod:`._watermark`) before anything
-    is evicted. Collective. Raises StoreError if the hosts cannot agree
-    (a peer died): then nothing is deleted and this step is not saved."""
-    copies = self.options.copies
+  def _agree(self, step: int) -> None:
+    """Learns the job's retention watermark at the capture of ``step``
+    (``self.watermark``; ``metrics.watermark``, -1 for none) from every
+    store's record (:mod:`._watermark`), before anything is evicted.
+    Collective. Raises StoreError if the hosts cannot agree (a peer died):
+    then nothing is deleted and this step is not saved."""
     def protected(s: int) -> bool:  # every piece of it survives a lost domain
-      return copies == 0 or self.options.carries_replicas(s)
+      return self.options.copies == 0 or self.options.carries_replicas(s)
     mine = _watermark.combine(
         _watermark.record(step, [s for s in held if protected(s)], self.watermark)
         for held in self.backend.held_steps())
@@ -174,7 +176,6 @@ class Saver:
     self.metrics.agree_seconds_total += time.perf_counter() - t
     self.watermark = _watermark.settle(step, reduced)
     self.metrics.watermark = -1 if self.watermark is None else self.watermark
-    return self.metrics.watermark
 
   def store_failed(self, step: int, e: BaseException) -> None:
     """A RAM-tier failure under ``FailurePolicy.CONTINUE``: counted, logged

@@ -40,13 +40,12 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ._multihost.collective import NONE
+
 #: Buckets of the record; a store holds a few steps (``keep + 1`` at most):
 #: six consecutive snapshot steps never share a bucket, at any fixed interval
 #: (Fibonacci hashing; ``tests/test_watermark.py``).
 BUCKETS = 64
-#: The largest value an int32 reduction takes: "nothing" (see
-#: :data:`._multihost.collective.NONE`).
-NONE = int(np.iinfo(np.int32).max)
 #: A distance no held step has: what a store without a step in a bucket
 #: puts where the maximum is taken.
 FAR = NONE - 1
