@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ._multihost.collective import NONE
+from ._multihost import NONE
 
 #: Buckets of the record; a store holds a few steps (``keep + 1`` at most):
 #: six consecutive snapshot steps never share a bucket, at any fixed interval

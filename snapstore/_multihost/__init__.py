@@ -15,7 +15,7 @@ order all processes agree on (:mod:`snapstore._devices`), so a test or a
 benchmark can replace it to play one host of thousands.
 """
 
-from .collective import Collective as Collective, Traffic as Traffic, bucket as bucket
+from .collective import NONE as NONE, Collective as Collective, Traffic as Traffic, bucket as bucket
 from .peers import Distributed as Distributed, Solo as Solo, for_job as for_job
 
 __all__ = ["Collective", "Distributed", "Solo", "Traffic", "bucket", "for_job"]
