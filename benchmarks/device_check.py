@@ -51,11 +51,14 @@ runs it anyway, as a smoke test of the script).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -130,6 +133,10 @@ def make_state(state_mb: int, leaves: int = 16) -> dict[str, Any]:
   return {f"w{i:02d}": make(jax.random.key(i)) for i in range(leaves)}
 
 
+#: host files' ``staging_piece_bytes`` in MiB (``--piece-mb``; 0: the default)
+PIECE_MB = 0
+
+
 def manager(kind: str, store_dir: str, **extra: Any):
   import jax
 
@@ -137,6 +144,8 @@ def manager(kind: str, store_dir: str, **extra: Any):
   store, checksum = STORES[kind]
   if "staging" in extra:
     extra["staging"] = snapstore.Staging[extra["staging"]]
+  if PIECE_MB and store != "PINNED_HOST":
+    extra.setdefault("staging_piece_bytes", PIECE_MB << 20)
   value = (snapstore.PinnedHost(checksum=snapstore.PinnedChecksum[checksum])
            if store == "PINNED_HOST" else snapstore.HostFiles(dir=store_dir))
   opts = snapstore.SnapshotOptions(store=value, keep=1, run_id=kind, **extra)
@@ -552,6 +561,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--step-ms", type=float, nargs="+", default=[200.0],
                  help="per_step: each; overhead: the first")
   p.add_argument("--per-step-steps", type=int, default=10, help="a per_step loop's steps")
+  p.add_argument("--cases", nargs="+", metavar="MB:MS",
+                 help="per_step: these (state MiB, step ms) pairs, not each --state-mb "
+                      "with each --step-ms")
   p.add_argument("--staging", choices=["AUTO", "ALWAYS", "NEVER"], default="AUTO",
                  help="per_step: host files' SnapshotOptions.staging where a store does not "
                       "set it (ALWAYS: the staged path on CPU devices, with --cpu)")
@@ -561,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--steps", type=int, default=30, help="a loop's steps (overhead)")
   p.add_argument("--stores", nargs="+", choices=list(STORES), default=list(STORES),
                  help="overhead: the stores to run")
+  p.add_argument("--piece-mb", type=int, default=0,
+                 help="host files' staging_piece_bytes, in MiB (0: the default)")
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--sections", nargs="+",
@@ -575,6 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--cpu", action="store_true",
                  help="run on the CPU anyway: a smoke test of this script, not a measurement")
   a = p.parse_args(argv)
+  global PIECE_MB
+  PIECE_MB = a.piece_mb
   gpu = "cuda" in os.environ.get("JAX_PLATFORMS", "") or shutil.which("nvidia-smi")
   if gpu:
     from snapstore import recovery
@@ -583,31 +599,49 @@ def main(argv: Sequence[str] | None = None) -> int:
   if jax.default_backend() == "cpu" and not a.cpu:
     emit("device_check", {"skipped": "no accelerator: JAX's backend is the CPU"}, a.out)
     return 0
+  import snapstore
   import snapstore._checksum as cs
   out: dict[str, Any] = {
       "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
-      "fused_copy": cs.FUSED, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+      "fused_copy": cs.FUSED, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "cpus": os.cpu_count(), "copy_threads": snapstore.SnapshotOptions().copy_threads}
+  t0 = time.perf_counter()
+
+  def done(what: str) -> None:  # progress, and what is measured so far on disk
+    print(f"[device_check] {what} done at {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+          flush=True)
+    if a.out:
+      Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+      Path(a.out).write_text(json.dumps({"benchmark": "device_check", "partial": True, **out},
+                                        indent=2))
   if "capture" in a.sections:
     out["capture"] = capture(a.mb, a.repeats)
+    done("capture")
   if "link" in a.sections:
     out["link"] = link(a.mb, a.repeats)
+    done("link")
+  if "host" in a.sections:
+    out["host"] = host(a.mb, a.repeats, link_gbps=out.get("link", {}).get(
+        "d2h_4mb_pieces_gbps"))
+    done("host")
   if "stores" in a.sections:
     state = make_state(a.state_mb[0])
     out["stores"] = stores(state, a.repeats)
     out["orbax"] = orbax(state, a.repeats, out["stores"]["pinned_device_sum"]["restore_s"])
     del state
+    done("stores")
   if "overhead" in a.sections:
     out["overhead"] = overhead(a.state_mb[0], a.step_ms[0], a.intervals, a.steps, a.rounds,
                                a.stores)
   if "per_step" in a.sections:
     gbps = out.get("link", {}).get("d2h_4mb_pieces_gbps")
-    out["per_step"] = {f"{mb}mb_{ms:g}ms": per_step(mb, ms, a.per_step_steps, a.rounds,
-                                                    a.repeats, a.per_step_stores, gbps,
-                                                    a.staging)
-                       for mb in a.state_mb for ms in a.step_ms}
-  if "host" in a.sections:
-    out["host"] = host(a.mb, a.repeats, link_gbps=out.get("link", {}).get(
-        "d2h_4mb_pieces_gbps"))
+    cases = ([(int(c.split(":")[0]), float(c.split(":")[1])) for c in a.cases] if a.cases
+             else [(mb, ms) for mb in a.state_mb for ms in a.step_ms])
+    out["per_step"] = {}
+    for mb, ms in cases:
+      out["per_step"][f"{mb}mb_{ms:g}ms"] = per_step(
+          mb, ms, a.per_step_steps, a.rounds, a.repeats, a.per_step_stores, gbps, a.staging)
+      done(f"per_step {mb} MiB {ms:g} ms")
   if "model" in a.sections:
     dim, layers, vocab, seq, batch = a.model
     try:
@@ -615,6 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            vocab=vocab, seq=seq, batch=batch)
     except ImportError as e:  # flax/optax are the demo's extra
       out["model"] = {"skipped": f"needs snapstore[demo]: {e}"}
+    done("model")
   if gpu:
     out["recovery"] = recovery_check()
   emit("device_check", out, a.out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 from typing import Any
 
@@ -18,6 +19,15 @@ from .stores import Auto, HostFiles, PinnedHost
 
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 MAX_INT = 2**48  # steps, incarnations, sizes: far beyond use, far below overflow
+
+
+def _default_copy_threads() -> int:
+  """Half the cores this process may run on, 2 to 32."""
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):  # (not Linux)
+    cores = os.cpu_count() or 2
+  return max(2, min(32, cores // 2))
 
 
 def _int_option(name: str, value: object, minimum: int, also: str = "") -> None:
@@ -123,7 +133,9 @@ class SnapshotOptions:
     failure_policy: what ``save`` does when the RAM tier fails later in a
       run (``FailurePolicy.CONTINUE``: training and the persistent tier go
       on; the last complete snapshot stays restorable).
-    copy_threads: worker threads that copy and checksum shards.
+    copy_threads: worker threads that copy and checksum shards (default:
+      half the cores this process may run on, 2 to 32: an accelerator's
+      link fills several; ``docs/benchmarks.md``, "On a TPU v5e").
     chunk_bytes: unit of copy and checksum.
     redundancy: how each shard is protected in another failure domain:
       :class:`Replicas` (``Replicas(1)``: one full copy) or :class:`Parity`.
@@ -200,7 +212,7 @@ class SnapshotOptions:
   persistent_interval: int = 0
   busy_policy: BusyPolicy = BusyPolicy.WAIT
   failure_policy: FailurePolicy = FailurePolicy.CONTINUE
-  copy_threads: int = 2
+  copy_threads: int = dataclasses.field(default_factory=_default_copy_threads)
   chunk_bytes: int = 16 << 20
   redundancy: Redundancy = Replicas(1)
   replica_interval: int = 1
