@@ -236,8 +236,12 @@ def train_step(state: Any, step_ms: float) -> tuple[Callable[..., Any], Any, int
     state = jax.block_until_ready(fn(state, x, iters))
     took = time.perf_counter() - t
     if took * 1e3 >= step_ms or iters >= 1 << 14:
-      return fn, x, iters
+      break
     iters *= 2
+  # the last doubling overshoots (up to 2x): scale back to about step_ms
+  iters = max(1, round(iters * step_ms / (took * 1e3)))
+  jax.block_until_ready(fn(state, x, iters))  # compiles
+  return fn, x, iters
 
 
 class _Loop:
