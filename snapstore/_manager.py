@@ -72,7 +72,7 @@ class SnapshotManager:
     self._job_size = max(self.num_hosts, len(self._backend.store_ids()))
     self._saver = _save.Saver(self._backend, self.options, self.metrics,
                               _interval.schedule_for(self.options.interval, self._job_size),
-                              self._arenas, self._peers.reduce_min)
+                              self._arenas, self._peers.start_reduce_min)
     self._closed = False
 
   def save(self, step: int, state: Any, *, extra: Any = None, force: bool = False) -> bool:
@@ -218,7 +218,7 @@ class SnapshotManager:
     finally:  # raised or not, what it decided holds (the incarnation, lost domains)
       self._apply(job.outcome)
     # every host restored this step: the stores keep it until a newer one is agreed
-    self._saver.watermark = result.step if result.source is Source.SNAPSHOT else None
+    self._saver.restored(result.step if result.source is Source.SNAPSHOT else None)
     return result
 
   def _apply(self, outcome: _restore.Outcome) -> None:

@@ -13,6 +13,7 @@ restore of the newest snapshot would copy into (``prefault_restore``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -32,22 +33,40 @@ from .options import BusyPolicy, Every, FailurePolicy, SnapshotOptions
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Agreement:
+  """A retention agreement started at the capture of ``step``; ``read``
+  waits for the job's reduction and returns it."""
+
+  step: int
+  read: Callable[[], np.ndarray]
+
+
+def _reraise(e: BaseException) -> np.ndarray:
+  raise e
+
+
 class Saver:
   """Captures and drains snapshots into ``backend``, counting in ``metrics``.
-  ``reduce_min``: the element-wise minimum over the job's hosts of an int32
-  vector (collective; on one process, the vector itself): the job agrees on
-  its retention watermark with it at every capture (:mod:`._watermark`)."""
+  ``reduce_min``: starts the element-wise minimum over the job's hosts of an
+  int32 vector (collective; on one process, the vector itself) and returns
+  its reader: the job agrees on its retention watermark with it at every
+  capture (:mod:`._watermark`), read at the next one where the stores hold 3
+  snapshots or more (it runs during the step), else before evicting."""
 
   def __init__(self, backend: _backends.Backend, options: SnapshotOptions,
                metrics: SaveMetrics, schedule: _interval.Schedule,
                arenas: ArenaCache,
-               reduce_min: Callable[[np.ndarray], np.ndarray] = lambda v: v) -> None:
+               reduce_min: Callable[[np.ndarray], Callable[[], np.ndarray]] = (
+                   lambda v: lambda: v)) -> None:
     self.backend, self.options, self.metrics = backend, options, metrics
     self.schedule, self.arenas = schedule, arenas
     metrics.interval, metrics.interval_reason = schedule.interval, schedule.reason
     self.reduce_min = reduce_min
     # the newest step every store held at the last agreement (None: none yet)
     self.watermark: int | None = None
+    self._agreeing: _Agreement | None = None  # started at the last capture, unread
+    self._fresh = True  # the last agreement read succeeded (else: agree before deleting)
     self.inflight: futures.Future[None] | None = None
     self.done_at = 0.0  # when the last drain finished (the schedule's clock)
     self.drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
@@ -126,10 +145,21 @@ class Saver:
     # (mismatched collectives: gloo aborts the process on the size mismatch).
     travel = self.options.carries_replicas(step)
     copies = self.options.copies
-    if self._agree_due(step):
-      self._agree(step)
+    due = self._agree_due(step)
+    self._learn()
+    if not self._fresh and not due:
+      raise errors.StoreError(
+          f"step {step}: the hosts' last agreement on which snapshot every store holds "
+          "failed; nothing is deleted and no snapshot is taken until the next one succeeds")
+    # Overlapped: this capture evicts by what the last one's agreement found
+    # and agrees anew on what is held after it, read at the next capture (the
+    # collective runs during the step). With fewer than 3 slots it would pin
+    # an old step and never move on: agreed and read before evicting, here.
+    overlap = due and self._fresh and self.backend.fewest_slots() >= 3
+    if due and not overlap:
+      self._learn(self._start(step))
     header = dataclasses.replace(header, watermark=-1 if self.watermark is None
-                                 else self.watermark)
+                                 else self.watermark, retain=not overlap)
     try:
       with _switch.collections_paused(self.options.pause_gc):
         return self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
@@ -143,6 +173,9 @@ class Saver:
           f"step {step}: leaf {gone[0]!r}{more} was deleted, e.g. donated to a jitted step "
           "that has run since: save the state a step returns before passing it to the next "
           "one. Nothing of this step was saved.") from e
+    finally:  # (raised or not: every process makes the same collective calls)
+      if overlap:
+        self._agreeing = self._start(step)
 
   def _agree_due(self, step: int) -> bool:
     """Whether the capture of ``step`` agrees anew: unless, with snapshots
@@ -155,12 +188,11 @@ class Saver:
     return (every is None or self.options.copies == 0
             or self.options.carries_replicas(step - every))
 
-  def _agree(self, step: int) -> None:
-    """Learns the job's retention watermark at the capture of ``step``
-    (``self.watermark``; ``metrics.watermark``, -1 for none) from every
-    store's record (:mod:`._watermark`), before anything is evicted.
-    Collective. Raises StoreError if the hosts cannot agree (a peer died):
-    then nothing is deleted and this step is not saved."""
+  def _start(self, step: int) -> _Agreement:
+    """Starts the job's agreement on its retention watermark at the capture
+    of ``step`` from every store's record of the steps it holds now
+    (:mod:`._watermark`). Collective: one reduction, dispatched (a failure
+    to dispatch is raised when it is read)."""
     def protected(s: int) -> bool:  # every piece of it survives a lost domain
       return self.options.copies == 0 or self.options.carries_replicas(s)
     mine = _watermark.combine(
@@ -168,14 +200,39 @@ class Saver:
         for held in self.backend.held_steps())
     t = time.perf_counter()
     try:
-      reduced = self.reduce_min(mine)
+      read = self.reduce_min(mine)
     except jax.errors.JaxRuntimeError as e:
-      raise errors.StoreError(
-          f"step {step}: the hosts could not agree which snapshot every store holds "
-          f"({e}); nothing was deleted and this step has no snapshot") from e
+      read = functools.partial(_reraise, e)
     self.metrics.agree_seconds_total += time.perf_counter() - t
-    self.watermark = _watermark.settle(step, reduced)
+    return _Agreement(step, read)
+
+  def _learn(self, agreement: _Agreement | None = None) -> None:
+    """Learns the watermark from ``agreement`` (None: the one in flight, if
+    any): ``self.watermark``, ``metrics.watermark`` (-1 for none). Raises
+    StoreError if the hosts could not agree (a peer died): then nothing is
+    deleted and this step is not saved, nor any until an agreement succeeds."""
+    if agreement is None:
+      agreement, self._agreeing = self._agreeing, None
+      if agreement is None:
+        return
+    t = time.perf_counter()
+    try:
+      reduced = agreement.read()
+    except jax.errors.JaxRuntimeError as e:
+      self._fresh = False
+      raise errors.StoreError(
+          f"step {agreement.step}: the hosts could not agree which snapshot every store "
+          f"holds ({e}); nothing was deleted and this step has no snapshot") from e
+    finally:
+      self.metrics.agree_seconds_total += time.perf_counter() - t
+    self._fresh = True
+    self.watermark = _watermark.settle(agreement.step, reduced)
     self.metrics.watermark = -1 if self.watermark is None else self.watermark
+
+  def restored(self, step: int | None) -> None:
+    """Every host restored ``step`` (None: none from RAM): the stores keep it
+    until a newer one is agreed; an agreement in flight is dropped."""
+    self.watermark, self._agreeing, self._fresh = step, None, True
 
   def store_failed(self, step: int, e: BaseException) -> None:
     """A RAM-tier failure under ``FailurePolicy.CONTINUE``: counted, logged

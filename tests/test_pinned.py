@@ -143,9 +143,9 @@ def test_keeps_the_newest_snapshots_and_frees_the_rest(s2d):
       mgr.save(step, make_state(jax.devices(), step))
       mgr.wait_until_finished()
       held[step] = [a for d in s2d for _, a in stored(mgr, d, step)]
-    assert mgr.snapshot_steps() == [4, 5]
-    assert all(a.is_deleted() for s in (1, 2, 3) for a in held[s])
-    assert not any(a.is_deleted() for s in (4, 5) for a in held[s])
+    assert mgr.snapshot_steps() == [3, 4, 5]  # the newest 2 and the watermark (3)
+    assert all(a.is_deleted() for s in (1, 2) for a in held[s])
+    assert not any(a.is_deleted() for s in (3, 4, 5) for a in held[s])
 
 
 def test_on_cpu_each_slot_reuses_its_memory_and_a_lost_slice_frees_it(s2d, monkeypatch):

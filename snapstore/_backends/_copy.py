@@ -302,11 +302,11 @@ def commit(store: Any, header: Header, rows: Iterable[tuple[Any, ...]],
   """Commits one store's snapshot in ``slot``: its manifest from the pieces'
   :func:`.._manifest.piece_row` rows (rows, not records: nothing per piece
   outlives the drain as an object the garbage collector tracks; see
-  PieceTable), then retention."""
+  PieceTable), then retention (:attr:`Header.retain`)."""
   pieces, parity = split_parity(rows, parity_of)
   store.commit(Manifest(pieces=pieces, created=time.time(), store=store.host, slot=slot,
                         scalars=dict(scalars), parity=parity, **header.fields()))
-  retain(store, options.keep, options.carries_replicas)
+  retain(store, options.keep, options.carries_replicas, superseded_only=not header.retain)
 
 
 def drain_and_commit(jobs: Sequence[tuple[Any, Capture, int]], header: Header, *,

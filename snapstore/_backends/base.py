@@ -64,6 +64,10 @@ class Header:
   extra: Any
   # the job's retention watermark (:mod:`.._watermark`), agreed at capture
   watermark: int = -1
+  # False while the agreement this capture started is in flight: its record
+  # names steps this store holds, kept until it is read (the next capture
+  # evicts); the commit then deletes only superseded snapshots. Not stored.
+  retain: bool = True
 
   @classmethod
   def for_snapshot(cls, options: SnapshotOptions, *, incarnation: int, step: int,
@@ -82,7 +86,8 @@ class Header:
 
   def fields(self) -> dict[str, Any]:
     """The fields as keyword arguments of ``Manifest`` (shallow)."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name != "retain"}
 
 
 class Pending(Protocol):
@@ -176,6 +181,10 @@ class Backend(PieceSource, Protocol[PendingT]):
     (valid, not superseded): what the job's retention watermark is agreed
     from (:mod:`.._watermark`). Training thread."""
 
+  def fewest_slots(self) -> int:
+    """The fewest snapshots one store that snapshots go to now may hold
+    (:func:`.._planner.slot_count`; its last reserve's, else ``keep + 1``)."""
+
   def forget_domains(self, domains: Sequence[int], reason: str) -> None:
     """The host memory of ``domains`` is gone: drop what their stores held
     and stop writing to them."""
@@ -198,12 +207,15 @@ class ProgressInMemory:
     return self._progress
 
 
-def retain(store: Store, keep: int, carries: Callable[[int], bool] | None = None) -> None:
+def retain(store: Store, keep: int, carries: Callable[[int], bool] | None = None, *,
+           superseded_only: bool = False) -> None:
   """Applies :func:`._planner.retention` to one store: the newest ``keep``
   and the job's watermark (the newest manifest names it), and one slot free
-  for the next snapshot."""
-  keep = min(keep, max(store.num_slots - 1, 1))
-  for m, why in _planner.retention(store.manifests(), keep, carries):
+  for the next snapshot; or, ``superseded_only``, deletes only what a newer
+  incarnation superseded (:attr:`Header.retain`)."""
+  manifests = store.manifests()
+  keep = len(manifests) if superseded_only else min(keep, max(store.num_slots - 1, 1))
+  for m, why in _planner.retention(manifests, keep, carries):
     store.delete(m, why)
 
 
@@ -246,6 +258,9 @@ class DomainStores:
     return [sorted({m.step for m in _planner.fence(
                         [m for m in self.stores[k].manifests() if m.run_id == self.run_id])})
             for k in self.live()]
+
+  def fewest_slots(self) -> int:
+    return min((self.stores[k].num_slots for k in self.live()), default=0)
 
   def holds(self, store: int) -> bool:
     return store in self.stores

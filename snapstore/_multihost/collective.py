@@ -10,7 +10,8 @@ inventory times the host count:
   times the largest;
 * :meth:`Collective.reduce_min`: an element-wise minimum of an int32 vector
   (:func:`snapstore._multihost.agree.max64` builds 64-bit maxima of it; who holds each needed
-  piece);
+  piece); :meth:`Collective.start_reduce_min` dispatches one and reads it
+  later (a save's retention agreement, :mod:`snapstore._watermark`);
 * :meth:`Collective.permute`: one buffer from each sending host to its one
   receiver (a piece moves point to point; no other host sees it).
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -72,6 +73,10 @@ class Collective(Protocol):
   def reduce_min(self, values: np.ndarray) -> np.ndarray:
     """The element-wise minimum over hosts of ``values`` (1-d int32, one
     length everywhere; :data:`NONE` is the largest)."""
+
+  def start_reduce_min(self, values: np.ndarray) -> Callable[[], np.ndarray]:
+    """:meth:`reduce_min`, dispatched now (the collective call is this one)
+    and read by calling what it returns (which raises its error, if any)."""
 
   def permute(self, pairs: Sequence[tuple[int, int]], payload: np.ndarray | None,
               width: int) -> np.ndarray | None:
@@ -140,13 +145,15 @@ class JaxCollective:
     return mesh, local
 
   def _run(self, fn: Any, mine: np.ndarray, fill: Any) -> np.ndarray:
+    return _first_shard(self._dispatch(fn, mine, fill))
+
+  def _dispatch(self, fn: Any, mine: np.ndarray, fill: Any) -> jax.Array:
     mesh, local = self._mesh()
     others = np.full_like(mine, fill)
     parts = [jax.device_put((mine if i == 0 else others)[None], d) for i, d in enumerate(local)]
     g = jax.make_array_from_single_device_arrays(
         (mesh.size, mine.size), NamedSharding(mesh, P(_AXIS)), parts)
-    out = fn(mesh)(g)
-    return np.asarray(out.addressable_shards[0].data).reshape(-1)
+    return fn(mesh)(g)
 
   def reduce_or(self, bits: np.ndarray) -> np.ndarray:
     return self.sum_bytes(bits)  # (each host sets only its own bit: no carries)
@@ -163,15 +170,18 @@ class JaxCollective:
     return every[:buf.size].copy()
 
   def reduce_min(self, values: np.ndarray) -> np.ndarray:
+    return self.start_reduce_min(values)()
+
+  def start_reduce_min(self, values: np.ndarray) -> Callable[[], np.ndarray]:
     values = np.ascontiguousarray(values, np.int32).reshape(-1)
-    if not values.size:
-      return values
-    width = bucket(values.size)
-    mine = np.full(width, NONE, np.int32)
-    mine[:values.size] = values
-    out = self._run(_min_fn, mine, NONE)
+    n = values.size
+    if not n:
+      return lambda: values
+    mine = np.full(bucket(n), NONE, np.int32)
+    mine[:n] = values
+    out = self._dispatch(_min_fn, mine, NONE)  # (JAX's dispatch: it runs on its own)
     self.traffic.add(mine.nbytes, mine.nbytes)
-    return out[:values.size]
+    return lambda: _first_shard(out)[:n]
 
   def permute(self, pairs: Sequence[tuple[int, int]], payload: np.ndarray | None,
               width: int) -> np.ndarray | None:
@@ -188,6 +198,10 @@ class JaxCollective:
     receives = any(b == self.host for _, b in pairs)
     self.traffic.add(width if payload is not None else 0, width if receives else 0)
     return out if receives else None
+
+
+def _first_shard(out: jax.Array) -> np.ndarray:
+  return np.asarray(out.addressable_shards[0].data).reshape(-1)
 
 
 #: "No host": what :meth:`Collective.reduce_min` hands back where none put less.

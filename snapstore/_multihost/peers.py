@@ -87,9 +87,10 @@ class Solo:
   def agree_max(self, *values: int) -> tuple[int, ...]:
     return values
 
-  def reduce_min(self, values: np.ndarray) -> np.ndarray:
-    """The element-wise minimum over the job's hosts: here, ``values``."""
-    return values
+  def start_reduce_min(self, values: np.ndarray) -> Callable[[], np.ndarray]:
+    """The element-wise minimum over the job's hosts (here, ``values``), to
+    read by calling what it returns."""
+    return lambda: values
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:
@@ -249,9 +250,10 @@ class Distributed:
     """The maximum of each value over every process."""
     return agree.max64(self.collective, values)
 
-  def reduce_min(self, values: np.ndarray) -> np.ndarray:
-    """The element-wise minimum of an int32 vector over every process."""
-    return self.collective.reduce_min(values)
+  def start_reduce_min(self, values: np.ndarray) -> Callable[[], np.ndarray]:
+    """The element-wise minimum of an int32 vector over every process,
+    dispatched now (collective), read by calling what it returns."""
+    return self.collective.start_reduce_min(values)
 
   def assemble(self, assembler: Assembler, target_specs: Sequence[LeafSpec],
                targets: Sequence[Any]) -> Assembled:

@@ -343,10 +343,13 @@ class BackendSuite:
   def test_keep_holds_the_newest_and_a_too_small_budget_stores_nothing(self, store_dir):
     with self.manager(store_dir, keep=2) as mgr:
       save_steps(mgr, range(1, 6))
-      assert mgr.snapshot_steps() == [4, 5]
-      assert all(len(st.manifests()) <= 2 for st in _stores(mgr).values())
+      # the newest two and the job's watermark: step 3, agreed as held by
+      # every store at step 4's capture, read at step 5's
+      assert mgr.snapshot_steps() == [3, 4, 5]
+      assert mgr.metrics.watermark == 3
+      assert all(len(st.manifests()) <= 3 for st in _stores(mgr).values())
       with pytest.raises(StepNotFoundError):
-        mgr.restore(abstract(awkward_state(jax.devices(), 0)), step=3)
+        mgr.restore(abstract(awkward_state(jax.devices(), 0)), step=2)
     with self.manager(store_dir / "small", budget_bytes=64) as mgr:
       with pytest.raises(BudgetExceededError, match="raise budget_bytes"):
         mgr.save(1, awkward_state(jax.devices(), 1))
