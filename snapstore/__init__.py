@@ -10,6 +10,7 @@ from .errors import (
     CorruptSnapshotError as CorruptSnapshotError,
     DeletedLeafError as DeletedLeafError,
     DrainFailedError as DrainFailedError,
+    InvalidOptionError as InvalidOptionError,
     InvalidStepError as InvalidStepError,
     NothingToRestoreError as NothingToRestoreError,
     SnapstoreError as SnapstoreError,
@@ -47,8 +48,8 @@ __version__ = "0.9.0"
 __all__ = [
     "Auto", "AutoInterval", "Backend", "BudgetExceededError", "BusyPolicy", "ClosedError",
     "CorruptSnapshotError", "DeletedLeafError", "DrainFailedError", "Every", "FailurePolicy",
-    "HostFiles", "InvalidStepError", "NothingToRestoreError", "OrbaxTier", "Parity",
-    "PinnedChecksum", "PinnedHost", "Replicas", "RestoreResult", "SaveMetrics",
+    "HostFiles", "InvalidOptionError", "InvalidStepError", "NothingToRestoreError", "OrbaxTier",
+    "Parity", "PinnedChecksum", "PinnedHost", "Replicas", "RestoreResult", "SaveMetrics",
     "SnapshotManager", "SnapshotOptions", "SnapstoreError", "Source", "Staging",
     "StepNotFoundError", "StepOrderError", "StoreError", "StoreSpec", "TreeMismatchError",
     "UnsafeStoreError", "UnsupportedLeafError", "errors", "stores",

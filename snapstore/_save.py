@@ -54,7 +54,7 @@ class Saver:
   capture (:mod:`._watermark`), read at the next one where the stores hold 3
   snapshots or more (it runs during the step), else before evicting."""
 
-  def __init__(self, backend: _backends.Backend, options: SnapshotOptions,
+  def __init__(self, backend: _backends.Backend[Any], options: SnapshotOptions,
                metrics: SaveMetrics, schedule: _interval.Schedule,
                arenas: ArenaCache,
                reduce_min: Callable[[np.ndarray], Callable[[], np.ndarray]] = (

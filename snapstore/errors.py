@@ -71,6 +71,12 @@ class InvalidStepError(SnapstoreError, ValueError):
   where None is also allowed). Nothing was saved or restored."""
 
 
+class InvalidOptionError(SnapstoreError, ValueError, TypeError):
+  """An option value of the wrong type or out of range (``SnapshotOptions``,
+  the store values, ``Every``, ``AutoInterval``, ``Replicas``, ``Parity``),
+  raised where the value is made. Both a ValueError and a TypeError."""
+
+
 class ClosedError(SnapstoreError, RuntimeError):
   """A :class:`snapstore.SnapshotManager` was used after its ``close``."""
 

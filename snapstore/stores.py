@@ -21,6 +21,8 @@ import dataclasses
 import enum
 import os
 
+from .errors import InvalidOptionError as Invalid
+
 DEFAULT_STORE_DIR = "/dev/shm/snapstore"
 _MAX_BUDGET = 2**48
 
@@ -39,14 +41,13 @@ class PinnedChecksum(enum.Enum):
 def _check_budget(owner: str, budget_bytes: object) -> None:
   if budget_bytes is not None and (type(budget_bytes) is not int
                                    or not 1 <= budget_bytes <= _MAX_BUDGET):
-    kind = TypeError if type(budget_bytes) is not int else ValueError
-    raise kind(f"{owner}.budget_bytes must be an int in [1, 2**48] or None, "
-               f"got {budget_bytes!r}")
+    raise Invalid(f"{owner}.budget_bytes must be an int in [1, 2**48] or None, "
+                  f"got {budget_bytes!r}")
 
 
 def _check_dir(owner: str, path: object) -> None:
   if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-    raise ValueError(f"{owner}.dir must be a non-empty path, got {path!r}")
+    raise Invalid(f"{owner}.dir must be a non-empty path, got {path!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,9 @@ class HostFiles:
     budget_bytes: byte budget of this process's store (``None``: the free
       space of ``dir``). One snapshot being written plus the newest complete
       one must fit, so the budget must hold two snapshots.
+
+  Raises:
+    InvalidOptionError: an empty ``dir``, or a budget not an int in [1, 2**48].
   """
 
   dir: str | os.PathLike[str] = DEFAULT_STORE_DIR
@@ -81,6 +85,10 @@ class PinnedHost:
     checksum: the integrity check (:class:`PinnedChecksum`).
     budget_bytes: byte budget of each slice's store (``None``: the hosts'
       memory); it must hold two snapshots of the slice's share.
+
+  Raises:
+    InvalidOptionError: ``checksum`` not a :class:`PinnedChecksum`, or a budget
+      not an int in [1, 2**48].
   """
 
   checksum: PinnedChecksum = PinnedChecksum.AUTO
@@ -88,7 +96,7 @@ class PinnedHost:
 
   def __post_init__(self) -> None:
     if not isinstance(self.checksum, PinnedChecksum):
-      raise TypeError(f"PinnedHost.checksum must be a PinnedChecksum, got {self.checksum!r}")
+      raise Invalid(f"PinnedHost.checksum must be a PinnedChecksum, got {self.checksum!r}")
     _check_budget("PinnedHost", self.budget_bytes)
 
 
@@ -101,6 +109,9 @@ class Auto:
   Attributes:
     dir: the host files' directory (:attr:`HostFiles.dir`).
     budget_bytes: the chosen store's budget (per process, or per slice).
+
+  Raises:
+    InvalidOptionError: as :class:`HostFiles`.
   """
 
   dir: str | os.PathLike[str] = DEFAULT_STORE_DIR

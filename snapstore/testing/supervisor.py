@@ -180,42 +180,53 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
            replacement_delay_s: float = 0.0,
            teardown_delay_s: float = 0.0) -> list[Incarnation]:
   """Runs ``python -m module args`` on ``num_hosts`` local processes until all
-  exit 0, restarting the whole job after a failure.
+  exit 0, restarting the whole job after a failure (or, ``in_place``,
+  replacing the failed host alone). The JAX coordination service listens
+  on ``bind_address`` only (loopback by default).
 
-  The JAX coordination service listens on ``bind_address`` only (loopback
-  by default). ``store_dir`` is the workers' store directory (their
-  ``HostFiles.dir``), where the supervisor reads each host's progress: a
-  kill the supervisor cannot see happen (its host never reports the step
-  there: is the worker's store elsewhere?) is an error, not a silent no-op.
+  Args:
+    module, args: what each process runs (``python -m module args``).
+    num_hosts, devices_per_host: the job's processes, and CPU devices each.
+    store_dir: the workers' store directory (their ``HostFiles.dir``), where
+      the supervisor reads each host's progress: a kill the supervisor cannot
+      see happen (its host never reports the step there) is an error.
+    run_id: the workers' ``SnapshotOptions.run_id``.
+    kills: faults to inject (:class:`Kill`).
+    shrink_to: restart with fewer hosts (the first ``shrink_to`` stores kept).
+    max_incarnations: full restarts allowed, the first run included.
+    timeout_s: the whole job's wall-clock limit.
+    log_dir: where each process's log and report go (default: under the store).
+    env: environment added to each process's.
+    between: run after a failed incarnation, before the next (tests use it
+      to damage stores).
+    in_place: the workers recover in place (:mod:`snapstore.recovery`): the
+      supervisor hosts the coordination service, and a worker that dies is
+      replaced alone, with the same host id (``Incarnation.replaced``). A
+      worker exiting with ``recovery.RESTART_EXIT_CODE``, more than
+      ``max_replacements`` replacements, or a JAX without the APIs it needs
+      restart the whole job instead (``Incarnation.fallback`` says why).
+    host_service: False leaves the service in process 0, as
+      ``jax.distributed`` does: losing host 0 then ends the incarnation.
+    max_replacements: in place, replacements before a full restart.
+    min_hosts: in place, the survivors go on while at least this many hosts
+      are live, without waiting for a replacement
+      (:class:`snapstore.recovery.ResizePolicy`), and grow back when it
+      joins; each change is in ``Incarnation.resizes``, and replacements not
+      yet started when a worker finishes in ``Incarnation.unreplaced``.
+    replacement_delay_s: each replacement starts this much later (no spare
+      host at once); without ``in_place``, the incarnation after a failure.
+    teardown_delay_s: a full restart: after a host fails, the others run on
+      this long (or until they exit) before the incarnation is torn down, as
+      under a scheduler that notices a lost host seconds later.
 
-  ``in_place``: the workers recover in place (:mod:`snapstore.recovery`):
-  the supervisor hosts the coordination service, and a worker that dies is
-  replaced alone, with the same host id, while the others keep running
-  (``Incarnation.replaced``). ``host_service=False`` leaves the service in
-  process 0, as ``jax.distributed`` does: losing host 0 then ends the
-  incarnation (a full restart). A worker exiting with
-  ``recovery.RESTART_EXIT_CODE``, more than ``max_replacements``
-  replacements, or a JAX without the APIs it needs restart the whole job
-  instead (``Incarnation.fallback`` says why).
+  Returns:
+    One :class:`Incarnation` per run of the job, the last one succeeded.
 
-  ``min_hosts`` (in place): the survivors go on while at least this many
-  hosts are live, without waiting for a replacement
-  (:class:`snapstore.recovery.ResizePolicy`), and grow back when it joins;
-  ``replacement_delay_s`` starts each replacement that much later (no spare
-  host at once); without ``in_place``, the incarnation after a failure
-  starts that long after it (the whole job waits for the capacity).
-  Replacements not yet started when a worker finishes are not started
-  (``Incarnation.unreplaced``); each change of the job's hosts is in
-  ``Incarnation.resizes``.
-
-  ``teardown_delay_s`` (a full restart): after a host fails, the others run
-  on this long (or until they exit) before the incarnation is torn down, as
-  under a scheduler that notices a lost host seconds later, not at once.
-
-  ``shrink_to`` restarts with fewer hosts (the first ``shrink_to`` stores are
-  kept). ``between(inc)`` runs after a failed incarnation, before the next
-  (tests use it to damage stores). Raises ``RuntimeError`` if the job still
-  fails after ``max_incarnations``, ``TimeoutError`` past ``timeout_s``.
+  Raises:
+    ValueError: ``min_hosts`` without ``in_place`` or out of range, or a
+      negative delay.
+    RuntimeError: the job still fails after ``max_incarnations``.
+    TimeoutError: the job ran past ``timeout_s``.
   """
   if min_hosts is not None and not in_place:
     raise ValueError("min_hosts is for in-place jobs (in_place=True)")
