@@ -185,20 +185,17 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   on ``bind_address`` only (loopback by default).
 
   Args:
-    module, args: what each process runs (``python -m module args``).
-    num_hosts, devices_per_host: the job's processes, and CPU devices each.
+    module, args, num_hosts, devices_per_host: what runs, on how many
+      processes, with how many CPU devices each.
     store_dir: the workers' store directory (their ``HostFiles.dir``), where
       the supervisor reads each host's progress: a kill the supervisor cannot
       see happen (its host never reports the step there) is an error.
-    run_id: the workers' ``SnapshotOptions.run_id``.
-    kills: faults to inject (:class:`Kill`).
+    run_id, kills: the workers' ``SnapshotOptions.run_id``; faults to inject.
     shrink_to: restart with fewer hosts (the first ``shrink_to`` stores kept).
-    max_incarnations: full restarts allowed, the first run included.
-    timeout_s: the whole job's wall-clock limit.
-    log_dir: where each process's log and report go (default: under the store).
-    env: environment added to each process's.
-    between: run after a failed incarnation, before the next (tests use it
-      to damage stores).
+    max_incarnations, timeout_s: runs of the job allowed; its time limit.
+    log_dir, env: where each process's log and report go (default: under
+      the store); environment added to each process's.
+    between: run after a failed incarnation, before the next (to damage stores).
     in_place: the workers recover in place (:mod:`snapstore.recovery`): the
       supervisor hosts the coordination service, and a worker that dies is
       replaced alone, with the same host id (``Incarnation.replaced``). A
@@ -207,7 +204,6 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       restart the whole job instead (``Incarnation.fallback`` says why).
     host_service: False leaves the service in process 0, as
       ``jax.distributed`` does: losing host 0 then ends the incarnation.
-    max_replacements: in place, replacements before a full restart.
     min_hosts: in place, the survivors go on while at least this many hosts
       are live, without waiting for a replacement
       (:class:`snapstore.recovery.ResizePolicy`), and grow back when it
@@ -223,17 +219,12 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     One :class:`Incarnation` per run of the job, the last one succeeded.
 
   Raises:
-    ValueError: ``min_hosts`` without ``in_place`` or out of range, or a
-      negative delay.
+    ValueError: ``min_hosts`` without ``in_place`` or out of range; a delay < 0.
     RuntimeError: the job still fails after ``max_incarnations``.
     TimeoutError: the job ran past ``timeout_s``.
   """
-  if min_hosts is not None and not in_place:
-    raise ValueError("min_hosts is for in-place jobs (in_place=True)")
-  if min_hosts is not None and not 1 <= min_hosts <= num_hosts:
-    raise ValueError(f"min_hosts must be between 1 and num_hosts ({num_hosts}), "
-                     f"got {min_hosts}")
-  _check_delays(replacement_delay_s=replacement_delay_s, teardown_delay_s=teardown_delay_s)
+  _check_args(num_hosts, in_place, min_hosts, replacement_delay_s=replacement_delay_s,
+              teardown_delay_s=teardown_delay_s)
   report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
   report_dir.mkdir(parents=True, exist_ok=True)
   job = _Job(module, list(args), devices_per_host, store_dir, run_id, list(kills),
@@ -259,7 +250,13 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
                      f"logs: {log_dir or 'pass log_dir'}")
 
 
-def _check_delays(**delays: float) -> None:
+def _check_args(num_hosts: int, in_place: bool, min_hosts: int | None,
+                **delays: float) -> None:
+  if min_hosts is not None and not in_place:
+    raise ValueError("min_hosts is for in-place jobs (in_place=True)")
+  if min_hosts is not None and not 1 <= min_hosts <= num_hosts:
+    raise ValueError(f"min_hosts must be between 1 and num_hosts ({num_hosts}), "
+                     f"got {min_hosts}")
   for name, value in delays.items():
     if not 0.0 <= value < float("inf"):
       raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
