@@ -268,7 +268,7 @@ STEPS = 8
 KILL = 5  # host 1 dies inside step 5's replica exchange
 
 
-def run_job(tmp_path, redundancy):
+def run_job(tmp_path, redundancy, in_place=False):
   out = tmp_path / "out"
   out.mkdir()
   store = Path("/dev/shm") / f"snapstore-wm-{uuid.uuid4().hex[:8]}"
@@ -278,11 +278,14 @@ def run_job(tmp_path, redundancy):
                    "--redundancy", redundancy],
                   num_hosts=4, devices_per_host=2, store_dir=store, run_id="job",
                   kills=[Kill(host=1, step=KILL, phase="replica", lose_store=True)],
-                  log_dir=out, timeout_s=240, teardown_delay_s=4.0,
+                  log_dir=out, timeout_s=240, in_place=in_place,
+                  teardown_delay_s=0.0 if in_place else 4.0,
                   env={"XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=2"})
   finally:
     shutil.rmtree(store, ignore_errors=True)
-  return incs, [json.loads((out / f"inc1-host{h}.json").read_text()) for h in range(4)], out
+  last = len(incs) - 1
+  return incs, [json.loads((out / f"inc{last}-host{h}.json").read_text())
+                for h in range(4)], out
 
 
 @pytest.mark.slow
@@ -297,6 +300,29 @@ def test_a_kill_inside_a_replica_exchange_leaves_a_complete_step(tmp_path, redun
   before = [json.loads((out / f"inc0-host{h}.json").read_text()) for h in (0, 2, 3)]
   # the construction: the survivors went past the dead host's step
   assert max(r.get("trained", 0) for r in before) >= KILL + 1, before
+  step = _one_restored_step(reports)
+  # the watermark the stores kept is in the metrics of the restarted job
+  assert all(r["metrics"]["watermark"] >= step for r in reports), reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("redundancy", ["replica", "parity"])
+def test_in_place_a_kill_inside_a_replica_exchange_heals_from_a_complete_step(
+    tmp_path, redundancy):
+  """The same kill in place, in live() blocks of 3 steps: the survivors'
+  block goes on past the dead host's step until its collectives fail; host
+  1 is replaced with an empty store, and every host (the replacement from
+  its peers) restores the same step >= 4, bitwise."""
+  incs, reports, _ = run_job(tmp_path, redundancy, in_place=True)
+  assert len(incs) == 1 and [r["host"] for r in incs[0].replaced] == [1], [
+      i.as_dict() for i in incs]
+  _one_restored_step(reports)
+  assert len(reports[0]["restores"]) == 2, reports[0]  # the start, and the heal
+  # the construction: a survivor's block failed at or past the dead host's step
+  assert max(r.get("failed_at", [0])[0] for r in reports if r["host"] != 1) >= KILL, reports
+
+
+def _one_restored_step(reports):
   steps = {r["restore"]["step"] for r in reports}
   assert len(steps) == 1, reports
   (step,) = steps
@@ -304,8 +330,7 @@ def test_a_kill_inside_a_replica_exchange_leaves_a_complete_step(tmp_path, redun
   for r in reports:
     assert r["restore"]["source"] == "snapshot" and r["restore"]["bitwise"], r
     assert r["trained"] == STEPS, r
-  # the watermark the stores kept is in the metrics of the restarted job
-  assert all(r["metrics"]["watermark"] >= step for r in reports), reports
+  return step
 
 
 def test_the_supervisor_refuses_a_negative_teardown_delay():
