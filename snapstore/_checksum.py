@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 try:
-  from . import _stream
+  import snapstore._stream as _stream
 except ImportError:  # built without a C compiler: numpy copies (the same bytes, slower)
   _stream = None  # type: ignore[assignment]  # checked before every use (FUSED)
 
