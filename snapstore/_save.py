@@ -51,8 +51,9 @@ class Saver:
   ``reduce_min``: starts the element-wise minimum over the job's hosts of an
   int32 vector (collective; on one process, the vector itself) and returns
   its reader: the job agrees on its retention watermark with it at every
-  capture (:mod:`._watermark`), read at the next one where the stores hold 3
-  snapshots or more (it runs during the step), else before evicting."""
+  capture (:mod:`._watermark`), read at the next one where every store has
+  3 slots or more (``keep >= 2``, no ``budget_bytes``: it runs during the
+  step), else before evicting."""
 
   def __init__(self, backend: _backends.Backend[Any], options: SnapshotOptions,
                metrics: SaveMetrics, schedule: _interval.Schedule,
@@ -66,7 +67,11 @@ class Saver:
     # the newest step every store held at the last agreement (None: none yet)
     self.watermark: int | None = None
     self._agreeing: _Agreement | None = None  # started at the last capture, unread
-    self._fresh = True  # the last agreement read succeeded (else: agree before deleting)
+    self._fresh = True  # the last agreement read succeeded (else: no snapshot until one does)
+    # Overlapped (:meth:`_capture_now`) where every store has 3 slots or more,
+    # decided from the options alone: the same on every process, whose
+    # collectives must come in one order.
+    self._overlaps = options.keep >= 2 and getattr(options.store, "budget_bytes", None) is None
     self.inflight: futures.Future[None] | None = None
     self.done_at = 0.0  # when the last drain finished (the schedule's clock)
     self.drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
@@ -145,21 +150,21 @@ class Saver:
     # (mismatched collectives: gloo aborts the process on the size mismatch).
     travel = self.options.carries_replicas(step)
     copies = self.options.copies
-    due = self._agree_due(step)
-    self._learn()
-    if not self._fresh and not due:
-      raise errors.StoreError(
-          f"step {step}: the hosts' last agreement on which snapshot every store holds "
-          "failed; nothing is deleted and no snapshot is taken until the next one succeeds")
-    # Overlapped: this capture evicts by what the last one's agreement found
-    # and agrees anew on what is held after it, read at the next capture (the
-    # collective runs during the step). With fewer than 3 slots it would pin
-    # an old step and never move on: agreed and read before evicting, here.
-    overlap = due and self._fresh and self.backend.fewest_slots() >= 3
-    if due and not overlap:
-      self._learn(self._start(step))
+    due, overlap = self._agree_due(step), self._overlaps
+    try:
+      self._learn()  # the last capture's agreement, if it started one (overlapped)
+      if due and not overlap:
+        self._learn(self._start(step))  # agreed and read before anything is evicted
+      if not self._fresh:
+        raise errors.StoreError(
+            f"step {step}: the hosts' last agreement on which snapshot every store holds "
+            "failed; nothing is deleted and no snapshot is taken until one succeeds")
+    except errors.StoreError:
+      if due and overlap:  # every process starts one at a due capture, read or not
+        self._agreeing = self._start(step)
+      raise
     header = dataclasses.replace(header, watermark=-1 if self.watermark is None
-                                 else self.watermark, retain=not overlap)
+                                 else self.watermark, retain=not (due and overlap))
     try:
       with _switch.collections_paused(self.options.pause_gc):
         return self.backend.capture(header, specs, leaves, replicas=copies if travel else 0)
@@ -174,7 +179,7 @@ class Saver:
           "that has run since: save the state a step returns before passing it to the next "
           "one. Nothing of this step was saved.") from e
     finally:  # (raised or not: every process makes the same collective calls)
-      if overlap:
+      if due and overlap:
         self._agreeing = self._start(step)
 
   def _agree_due(self, step: int) -> bool:

@@ -33,11 +33,12 @@ of one failure domain, which is what a restore needs.
 On one process (a single host, or a single controller with one store per
 slice) the records of the stores are reduced here, in the same way.
 
-When (``_save.Saver``): with 3 slots or more a capture evicts by the last
+When (``_save.Saver``): with ``keep >= 2`` and no ``budget_bytes`` (3
+slots or more, from the options alone) a capture evicts by the last
 capture's agreement and starts the next on what it holds after evicting,
 read at the next capture (the reduction runs during the step); what a
-record names stays held until then. With 2 it agrees and reads before
-evicting, as after a failed agreement.
+record names stays held until then. Otherwise it agrees and reads before
+evicting.
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ class SnapshotOptions:
       :class:`AutoInterval`.
     keep: newest complete snapshots kept in the host store; between saves it
       also holds the job's retention watermark, the step every store held
-      (two snapshots back with ``keep >= 2``), in the slot the next one takes.
+      (two snapshots back with ``keep >= 2`` and no ``budget_bytes``), in the
+      slot the next one takes.
     run_id: names the run; a store of another run is never restored.
     persistent_interval: save to the persistent tier every this many steps
       (``0`` disables periodic persistent saves).

@@ -197,7 +197,8 @@ class Saving(Host):
 
 def play_saves(seed, keep, *, fail=True, steps=16, hosts=4):
   """One job of :class:`Saving` hosts (a random mix of the two modes where
-  ``keep`` allows): after step ``k`` each part of each agreement, each
+  ``keep`` allows, harsher than a job, whose options pick one for every
+  host): after step ``k`` each part of each agreement, each
   capture and each commit fail at random (``fail``), and host ``dead``
   stops, its stale record still counted. Yields after every step."""
   rng = np.random.default_rng(seed)
@@ -213,12 +214,12 @@ def play_saves(seed, keep, *, fail=True, steps=16, hosts=4):
         recs.append(_watermark.record(s, sorted(j.steps()), j.learned))
         continue
       if j.agreeing:  # the last capture's agreement, read now
-        j.agreeing, j.fresh = False, ok(s)
-        if not j.fresh:  # StoreError: nothing evicted or saved (its stale record counts)
+        j.fresh = ok(s)
+        if not j.fresh:  # StoreError: nothing evicted or saved; its next agreement starts
           recs.append(_watermark.record(s, sorted(j.steps()), j.learned))
           continue
-        j.learned = _watermark.settle(s - 1, last)
-      if j.overlap and j.fresh:
+        j.agreeing, j.learned = False, _watermark.settle(s - 1, last)
+      if j.overlap:
         slot = j.evict(j.learned)
         recs.append(_watermark.record(s, sorted(j.steps()), j.learned))
         j.agreeing = True
@@ -378,3 +379,57 @@ def test_with_replicas_every_other_snapshot_only_carriers_become_the_watermark(s
       seen.append((mgr.metrics.watermark, mgr.snapshot_steps()))
   # carriers are the even steps; step 6's capture agreed nothing (5 carried none)
   assert seen[4:] == [(4, [4, 5]), (4, [4, 6]), (6, [6, 7])], seen
+
+
+def test_a_failed_read_saves_and_deletes_nothing_and_the_next_agreement_still_starts(
+    store_dir):
+  """The agreement started at step 3's capture fails when step 4 reads it:
+  step 4 takes no snapshot and deletes nothing (counted), yet starts its own
+  agreement like every other process would (one reduction a capture: the
+  job's collectives stay in one order), and step 5 saves again."""
+  import jax
+  import jax.numpy as jnp
+
+  import snapstore
+  from tests.helpers import opts
+  with snapstore.SnapshotManager(opts(store_dir, keep=2, run_id="wm")) as mgr:
+    started = []
+    real = mgr._saver.reduce_min
+
+    def reduce_min(values):
+      started.append(len(started) + 1)  # the step whose capture starts it
+      read = real(values)
+      if len(started) == 3:
+        def read():
+          raise jax.errors.JaxRuntimeError("a peer is gone")
+      return read
+    mgr._saver.reduce_min = reduce_min
+    held = {}
+    for step in range(1, 7):
+      mgr.save(step, {"w": jnp.full((64,), step, jnp.float32)})
+      mgr.wait_until_finished()
+      held[step] = mgr.snapshot_steps()
+    assert started == [1, 2, 3, 4, 5, 6]
+    assert mgr.metrics.store_failures == 1
+    # nothing deleted at 4; 5 learns step 3 (held by every store at 4's capture)
+    assert held == {1: [1], 2: [1, 2], 3: [1, 2, 3], 4: [1, 2, 3], 5: [2, 3, 5],
+                    6: [3, 5, 6]}, held
+
+
+@pytest.mark.parametrize("keep, budget, held, mark", [
+    (2, None, [3, 4, 5], 3),      # overlapped: the agreement read a capture later
+    (2, 1 << 30, [4, 5], 4),      # a budget may leave 2 slots: read before evicting
+    (1, None, [4, 5], 4)])        # 2 slots: read before evicting
+def test_the_options_alone_choose_when_the_agreement_is_read(store_dir, keep, budget, held,
+                                                              mark):
+  """Every process picks the same mode (their collectives must come in one
+  order), from ``keep`` and the store's ``budget_bytes`` alone."""
+  import jax.numpy as jnp
+
+  import snapstore
+  from tests.helpers import opts
+  with snapstore.SnapshotManager(opts(store_dir, keep=keep, budget_bytes=budget)) as mgr:
+    for step in range(1, 6):
+      mgr.save(step, {"w": jnp.full((64,), step, jnp.float32)})
+      mgr.wait_until_finished()
+    assert (mgr.snapshot_steps(), mgr.metrics.watermark) == (held, mark)

@@ -181,10 +181,6 @@ class Backend(PieceSource, Protocol[PendingT]):
     (valid, not superseded): what the job's retention watermark is agreed
     from (:mod:`.._watermark`). Training thread."""
 
-  def fewest_slots(self) -> int:
-    """The fewest snapshots one store that snapshots go to now may hold
-    (:func:`.._planner.slot_count`; its last reserve's, else ``keep + 1``)."""
-
   def forget_domains(self, domains: Sequence[int], reason: str) -> None:
     """The host memory of ``domains`` is gone: drop what their stores held
     and stop writing to them."""
@@ -258,9 +254,6 @@ class DomainStores:
     return [sorted({m.step for m in _planner.fence(
                         [m for m in self.stores[k].manifests() if m.run_id == self.run_id])})
             for k in self.live()]
-
-  def fewest_slots(self) -> int:
-    return min((self.stores[k].num_slots for k in self.live()), default=0)
 
   def holds(self, store: int) -> bool:
     return store in self.stores
