@@ -315,7 +315,8 @@ def test_in_place_a_kill_inside_a_replica_exchange_heals_from_a_complete_step(
   1 is replaced with an empty store, and every host (the replacement from
   its peers) restores the same step >= 4, bitwise."""
   incs, reports, _ = run_job(tmp_path, redundancy, in_place=True)
-  assert len(incs) == 1 and [r["host"] for r in incs[0].replaced] == [1], [
+  # (a slow replacement may itself be replaced: host 1 alone, in place)
+  assert len(incs) == 1 and {r["host"] for r in incs[0].replaced} == {1}, [
       i.as_dict() for i in incs]
   _one_restored_step(reports)
   assert len(reports[0]["restores"]) == 2, reports[0]  # the start, and the heal
