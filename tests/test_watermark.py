@@ -259,7 +259,7 @@ def test_an_overlapped_agreement_moves_on_every_save(keep):
   watermark and no more than ``keep + 1`` (its slots)."""
   for s, js in play_saves(0, keep, fail=False):
     for j in js:
-      assert j.overlap and len(j.steps()) <= keep + 1
+      assert len(j.steps()) <= keep + 1, (s, j.ms)
       if s > 2:
         assert j.learned == s - 2 and set(range(s - keep + 1, s + 1)) <= j.steps(), (s, j.ms)
 
