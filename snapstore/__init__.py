@@ -41,6 +41,7 @@ from .stores import (
     HostFiles as HostFiles,
     PinnedChecksum as PinnedChecksum,
     PinnedHost as PinnedHost,
+    PinnedMemory as PinnedMemory,
 )
 
 __version__ = "0.9.0"
@@ -49,8 +50,8 @@ __all__ = [
     "Auto", "AutoInterval", "Backend", "BudgetExceededError", "BusyPolicy", "ClosedError",
     "CorruptSnapshotError", "DeletedLeafError", "DrainFailedError", "Every", "FailurePolicy",
     "HostFiles", "InvalidOptionError", "InvalidStepError", "NothingToRestoreError", "OrbaxTier",
-    "Parity", "PinnedChecksum", "PinnedHost", "Replicas", "RestoreResult", "SaveMetrics",
-    "SnapshotManager", "SnapshotOptions", "SnapstoreError", "Source", "Staging",
+    "Parity", "PinnedChecksum", "PinnedHost", "PinnedMemory", "Replicas", "RestoreResult",
+    "SaveMetrics", "SnapshotManager", "SnapshotOptions", "SnapstoreError", "Source", "Staging",
     "StepNotFoundError", "StepOrderError", "StoreError", "StoreSpec", "TreeMismatchError",
     "UnsafeStoreError", "UnsupportedLeafError", "errors", "stores",
 ]

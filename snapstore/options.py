@@ -57,7 +57,9 @@ class FailurePolicy(enum.Enum):
 
 
 class Staging(enum.Enum):
-  """How the host-files store captures array leaves (``SnapshotOptions.staging``)."""
+  """How a store whose bytes land in this process's memory (host files; the
+  pinned-host store with ``PinnedMemory.PROCESS``) captures array leaves
+  (``SnapshotOptions.staging``)."""
 
   AUTO = "auto"      # staged in device memory on accelerators; CPU leaves as views
   ALWAYS = "always"  # staged on CPU devices too (tests: the accelerator path in CI)
@@ -197,7 +199,8 @@ class SnapshotOptions:
       own share of the state in resident memory. ``False``: memory is taken
       when a restore needs it, and an idle one is handed to the kernel as
       free-when-needed (``MADV_FREE``).
-    staging: how the host-files store captures array leaves
+    staging: how host files, and the pinned-host store in this process's
+      memory (``PinnedMemory.PROCESS``), capture array leaves
       (:class:`Staging`). ``AUTO``: on accelerators, each shard is copied
       in device memory and cut into pieces of about
       ``staging_piece_bytes`` (one jitted program a device), whose copies
@@ -206,7 +209,8 @@ class SnapshotOptions:
       zero-copy view of each shard. ``ALWAYS`` stages CPU leaves too
       (what the tests use to run the accelerator path on CPU devices).
       ``NEVER``: an async ``device_put`` to ``pinned_host``, slow on a
-      TPU (~1 GB/s on a v5e). The pinned-host store ignores it.
+      TPU (~1 GB/s on a v5e). The pinned-host store on the slices' own
+      hosts (``PinnedMemory.SLICE_HOSTS``) ignores it.
     staging_budget_bytes: device memory per device that a save may leave
       staged for its drain. ``None``: the device's free memory at its
       peak (``memory_stats()``: ``bytes_limit`` less the peak use of

@@ -26,7 +26,7 @@ from .errors import InvalidOptionError as Invalid
 DEFAULT_STORE_DIR = "/dev/shm/snapstore"
 _MAX_BUDGET = 2**48
 
-__all__ = ["DEFAULT_STORE_DIR", "Auto", "HostFiles", "PinnedChecksum", "PinnedHost"]
+__all__ = ["DEFAULT_STORE_DIR", "Auto", "HostFiles", "PinnedChecksum", "PinnedHost", "PinnedMemory"]
 
 
 class PinnedChecksum(enum.Enum):
@@ -36,6 +36,20 @@ class PinnedChecksum(enum.Enum):
   HOST = "host"      # crc32c of the pinned buffer, in place
   DEVICE = "device"  # a 64-bit sum computed by XLA on the device, for memory the
                      # controller cannot address
+
+
+class PinnedMemory(enum.Enum):
+  """Where the pinned-host store keeps each slice's bytes."""
+
+  AUTO = "auto"        # PROCESS where this process has every device's host memory (CPU
+                       # devices, or one process that is not a Pathways client), else
+                       # SLICE_HOSTS; SLICE_HOSTS with PinnedChecksum.DEVICE
+  PROCESS = "process"  # this process's memory, reused from save to save: array leaves
+                       # leave accelerators staged in pieces (the link's speed, see
+                       # SnapshotOptions.staging) and are checked by crc32c on host threads
+  SLICE_HOSTS = "slice_hosts"  # a pinned_host jax.Array on each slice's own hosts (on
+                               # Pathways the bytes never reach the controller); a
+                               # device_put, ~1 GB/s off a TPU v5e chip
 
 
 def _check_budget(owner: str, budget_bytes: object) -> None:
@@ -85,18 +99,27 @@ class PinnedHost:
     checksum: the integrity check (:class:`PinnedChecksum`).
     budget_bytes: byte budget of each slice's store (``None``: the hosts'
       memory); it must hold two snapshots of the slice's share.
+    memory: where the bytes live (:class:`PinnedMemory`): this process's
+      memory, or each slice's own hosts (Pathways).
 
   Raises:
-    InvalidOptionError: ``checksum`` not a :class:`PinnedChecksum`, or a budget
-      not an int in [1, 2**48].
+    InvalidOptionError: ``checksum`` not a :class:`PinnedChecksum`, ``memory``
+      not a :class:`PinnedMemory`, ``PinnedMemory.PROCESS`` with
+      ``PinnedChecksum.DEVICE``, or a budget not an int in [1, 2**48].
   """
 
   checksum: PinnedChecksum = PinnedChecksum.AUTO
   budget_bytes: int | None = None
+  memory: PinnedMemory = PinnedMemory.AUTO
 
   def __post_init__(self) -> None:
     if not isinstance(self.checksum, PinnedChecksum):
       raise Invalid(f"PinnedHost.checksum must be a PinnedChecksum, got {self.checksum!r}")
+    if not isinstance(self.memory, PinnedMemory):
+      raise Invalid(f"PinnedHost.memory must be a PinnedMemory, got {self.memory!r}")
+    if self.memory is PinnedMemory.PROCESS and self.checksum is PinnedChecksum.DEVICE:
+      raise Invalid("PinnedHost(memory=PinnedMemory.PROCESS) checks its copies by crc32c on "
+                    "the host: use PinnedChecksum.HOST or AUTO")
     _check_budget("PinnedHost", self.budget_bytes)
 
 

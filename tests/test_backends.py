@@ -55,8 +55,8 @@ class HostFilesSuite(BackendSuite):
     ``pinned_host`` copy, all leaves dispatched in one ``device_put`` (CPU
     devices have ``pinned_host`` memory: the path runs here when told the
     devices are not CPUs)."""
-    from snapstore._backends.hostfiles import capture
-    monkeypatch.setattr(capture, "_on_cpu", lambda sharding: False)
+    from snapstore._backends import staging
+    monkeypatch.setattr(staging, "_on_cpu", lambda sharding: False)
     state = awkward_state(jax.devices(), 1)
     puts = []
     real_put = jax.device_put

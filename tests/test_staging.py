@@ -1,7 +1,8 @@
-"""The staged accelerator capture of the host-files store, run on CPU devices
-(``Staging.ALWAYS``): shards copied in device memory and cut into pieces, a
-budget for what stays staged, the rest copied before ``save`` returns; every
-restore bitwise."""
+"""The staged accelerator capture, run on CPU devices (``Staging.ALWAYS``),
+for both stores that land the bytes in this process's memory: host files,
+and the pinned-host store under ``slices=`` (``PinnedMemory.PROCESS``).
+Shards copied in device memory and cut into pieces, a budget for what stays
+staged, the rest copied before ``save`` returns; every restore bitwise."""
 
 from __future__ import annotations
 
@@ -62,6 +63,19 @@ def staged_opts(store_dir, **kw) -> snapstore.SnapshotOptions:
               staging_piece_bytes=PIECE, **kw)
 
 
+@pytest.fixture(params=["files", "pinned"])
+def staged_manager(request, store_dir):
+  """``staged_manager(**options)``: host files of this process, or the
+  pinned-host store of two slices of 4 devices (its memory: this process's)."""
+  def make(**kw) -> snapstore.SnapshotManager:
+    devices = jax.devices()
+    slices = {0: devices[:4], 1: devices[4:]} if request.param == "pinned" else None
+    mgr = snapstore.SnapshotManager(staged_opts(store_dir, **kw), slices=slices)
+    assert isinstance(mgr.store, snapstore.PinnedHost) == (request.param == "pinned")
+    return mgr
+  return make
+
+
 @functools.cache
 def _donating_step():
   def step(s):
@@ -78,9 +92,9 @@ def donating_step():
   return step
 
 
-def test_a_budget_for_everything_stages_every_shard_and_restores_bitwise(store_dir):
+def test_a_budget_for_everything_stages_every_shard_and_restores_bitwise(staged_manager):
   state = make_state()
-  with snapstore.SnapshotManager(staged_opts(store_dir)) as mgr:  # CPU: no limit
+  with staged_manager() as mgr:  # CPU: no limit
     mgr.save(1, state)
     m = mgr.metrics
     assert m.staged_bytes == stored_bytes(state) and m.copied_before_return_bytes == 0
@@ -91,10 +105,10 @@ def test_a_budget_for_everything_stages_every_shard_and_restores_bitwise(store_d
   assert_bitwise_equal(state, got.state)
 
 
-def test_a_partial_budget_copies_the_rest_before_save_returns(store_dir):
+def test_a_partial_budget_copies_the_rest_before_save_returns(staged_manager):
   state = make_state()
   budget = 64 << 10
-  with snapstore.SnapshotManager(staged_opts(store_dir, staging_budget_bytes=budget)) as mgr:
+  with staged_manager(staging_budget_bytes=budget) as mgr:
     mgr.save(1, state)
     m = mgr.metrics
     assert 0 < m.staged_bytes <= budget * 8  # per device
@@ -106,9 +120,9 @@ def test_a_partial_budget_copies_the_rest_before_save_returns(store_dir):
   assert_bitwise_equal(state, got.state)
 
 
-def test_no_budget_copies_every_shard_whole_before_save_returns(store_dir):
+def test_no_budget_copies_every_shard_whole_before_save_returns(staged_manager):
   state = make_state()
-  with snapstore.SnapshotManager(staged_opts(store_dir, staging_budget_bytes=0)) as mgr:
+  with staged_manager(staging_budget_bytes=0) as mgr:
     mgr.save(1, state)
     assert mgr.metrics.staged_bytes == 0
     assert mgr.metrics.copied_before_return_bytes == stored_bytes(state)
@@ -118,12 +132,12 @@ def test_no_budget_copies_every_shard_whole_before_save_returns(store_dir):
 
 
 @pytest.mark.parametrize("budget", [None, 64 << 10, 0])
-def test_a_step_that_donates_the_state_right_after_save_changes_no_snapshot(store_dir, budget):
+def test_a_step_that_donates_the_state_right_after_save_changes_no_snapshot(staged_manager,
+                                                                             budget):
   state = make_state()
   expected = host_copy(state)
   step = donating_step()
-  with snapstore.SnapshotManager(staged_opts(store_dir, keep=1,
-                                             staging_budget_bytes=budget)) as mgr:
+  with staged_manager(keep=1, staging_budget_bytes=budget) as mgr:
     saved = state
     mgr.save(1, state)
     for _ in range(3):  # donates the saved buffers while the drain reads the pieces
@@ -217,3 +231,82 @@ def test_the_budget_is_the_free_memory_at_the_peak_less_a_headroom_capped():
 def test_bad_staging_options_are_refused_by_name(kw):
   with pytest.raises((TypeError, ValueError), match=next(iter(kw))):
     snapstore.SnapshotOptions(**kw)
+
+
+def test_the_pinned_store_stages_into_reused_slot_memory_and_restores_bitwise(
+    store_dir, monkeypatch):
+  """PinnedMemory.PROCESS: each slot's memory is made once and written again
+  by later saves (a TPU's pinned arena is never given back), the cut is
+  compiled once, and a donating step right after each save changes no
+  snapshot."""
+  from snapstore import _arena
+  made: list[int] = []
+  fresh = _arena._mapping
+  monkeypatch.setattr(_arena, "_mapping", lambda n: made.append(n) or fresh(n))
+  devices = jax.devices()
+  step = donating_step()
+  state, template = make_state(), abstract(make_state())
+  with snapstore.SnapshotManager(staged_opts(store_dir, keep=1, prefault_restore=False,
+                                             staging_budget_bytes=64 << 10),
+                                 slices={0: devices[:4], 1: devices[4:]}) as mgr:
+    assert mgr._backend.memory is snapstore.PinnedMemory.PROCESS
+    compiled = None
+    for s in range(1, 7):
+      expected = host_copy(state)
+      mgr.save(s, state)
+      state = step(state)
+      mgr.wait_until_finished()
+      if s == 2:  # two slots in each of two slices
+        assert len(made) == 4, made
+        compiled = staging._cutter.cache_info().currsize
+      elif s > 2:
+        assert staging._cutter.cache_info().currsize == compiled
+    assert len(made) == 4, made
+    got = mgr.restore(template)
+  assert got.step == 6
+  assert_bitwise_equal(expected, got.state)
+
+
+def test_the_pinned_store_stages_parity_and_rebuilds_a_lost_slice_bitwise():
+  """4 slices of 2 devices, parity k=3, staged: slice 1 is lost and its
+  pieces are rebuilt from the parity blocks the drain copied."""
+  from snapstore.testing.backend_suite import abstract as suite_abstract, awkward_state, save_steps
+  devs = jax.devices()
+  s4 = {k: devs[2 * k:2 * k + 2] for k in range(4)}
+  options = snapstore.SnapshotOptions(store=snapstore.PinnedHost(), redundancy=snapstore.Parity(3),
+                                      staging=snapstore.Staging.ALWAYS, chunk_bytes=CHUNK,
+                                      staging_piece_bytes=PIECE)
+  with snapstore.SnapshotManager(options, slices=s4) as mgr:
+    refs = save_steps(mgr, [1, 2])
+    assert mgr.metrics.staged_bytes > 0
+    mgr.forget_domains([1], "slice lost")
+    r = mgr.restore(suite_abstract(awkward_state(devs, 0)))
+  assert r.step == 2 and r.bytes_read["rebuilt"] > 0
+  assert_bitwise_equal(refs[2], r.state)
+
+
+def test_the_pinned_store_keeps_the_bytes_where_its_memory_option_says():
+  """AUTO: this process's memory for CPU devices or one process's chips; the
+  slices' own hosts for a Pathways client (JAX's platforms name ``proxy``)
+  or when the device's checksum is asked for; PROCESS cannot take it."""
+  from snapstore._backends.pinned.backend import memory_for
+  PM, PC = snapstore.PinnedMemory, snapstore.PinnedChecksum
+
+  class Chip:  # a local accelerator as memory_for sees one
+    platform, process_index = "tpu", 0
+  cpu, tpu = jax.devices()[:2], [Chip(), Chip()]
+  assert memory_for(cpu, snapstore.PinnedHost()) is PM.PROCESS
+  assert memory_for(tpu, snapstore.PinnedHost()) is PM.PROCESS
+  assert memory_for(cpu, snapstore.PinnedHost(checksum=PC.DEVICE)) is PM.SLICE_HOSTS
+  assert memory_for(tpu, snapstore.PinnedHost(memory=PM.SLICE_HOSTS)) is PM.SLICE_HOSTS
+  old = jax.config.jax_platforms
+  try:
+    jax.config.update("jax_platforms", "proxy")
+    assert memory_for(tpu, snapstore.PinnedHost()) is PM.SLICE_HOSTS
+    assert memory_for(cpu, snapstore.PinnedHost()) is PM.PROCESS  # (CPU devices: here)
+  finally:
+    jax.config.update("jax_platforms", old)
+  with pytest.raises(snapstore.InvalidOptionError, match="PROCESS"):
+    snapstore.PinnedHost(memory=PM.PROCESS, checksum=PC.DEVICE)
+  with pytest.raises(snapstore.InvalidOptionError, match="memory"):
+    snapstore.PinnedHost(memory="process")

@@ -27,6 +27,7 @@ reads the state: the next step may donate it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import time
@@ -38,6 +39,8 @@ import numpy as np
 from jax import lax
 
 from .. import _jax_private
+from .._tree import LeafKind, LeafSpec
+from ..options import SnapshotOptions, Staging
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +153,14 @@ class Stager:
     self._devices: dict[jax.Device, _Device] = {}
     self._oom_logged = False
 
+  @classmethod
+  def of(cls, options: SnapshotOptions) -> Stager | None:
+    """The stager ``options`` ask for (None with ``Staging.NEVER``)."""
+    if options.staging is Staging.NEVER:
+      return None
+    return cls(piece_bytes=options.staging_piece_bytes, chunk_bytes=options.chunk_bytes,
+               budget_bytes=options.staging_budget_bytes)
+
   def _budget(self, device: jax.Device) -> int | None:
     seen = self._devices.setdefault(device, _Device())
     got, seen.need = budget(device.memory_stats(), self.budget_bytes, held=seen.held,
@@ -252,6 +263,63 @@ class Stager:
       _land(out, round_)
     for j in direct:
       out[j] = np.asarray(shards[j])
+
+
+def _plain(spec: LeafSpec, leaf: Any) -> jax.Array:
+  """The leaf as a plain array (key data for keys), where the state holds it."""
+  return jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+
+
+@functools.lru_cache(maxsize=4096)
+def _on_cpu(sharding: jax.sharding.Sharding) -> bool:
+  devices: set[jax.Device] = sharding.device_set
+  return all(d.platform == "cpu" for d in devices)
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_device_memory(sharding: jax.sharding.Sharding) -> bool:
+  """Whether a leaf lives in device memory (a leaf already in host memory
+  is not staged: a program reads device memory)."""
+  return sharding.memory_kind in (None, "device")
+
+
+class Read(enum.Enum):
+  """Where a leaf's pieces are read from."""
+
+  VIEW = "view"      # CPU: a zero-copy view of each shard
+  STAGE = "stage"    # the shards, staged by the capture (:mod:`..staging`)
+  PINNED = "pinned"  # its pinned_host copy
+
+
+def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any], staging: Staging = Staging.NEVER
+           ) -> dict[int, tuple[jax.Array, jax.Array, Read]]:
+  """leaf position -> (the array leaf as a plain array, the array its pieces
+  are read from, how), for every array leaf. On CPU the leaf itself, read
+  by views (``Staging.ALWAYS``: staged). On accelerators, the leaf itself
+  to stage, or with ``Staging.NEVER`` a ``pinned_host`` copy, dispatched
+  asynchronously, all leaves in one ``device_put`` (JAX batches the
+  transfers of a list in C++: one call a leaf costs Python per leaf on the
+  training thread, every snapshot)."""
+  out: dict[int, tuple[jax.Array, jax.Array, Read]] = {}
+  moves: list[int] = []
+  for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
+    if spec.kind in (LeafKind.SCALAR, LeafKind.NUMPY):
+      continue
+    raw = _plain(spec, leaf)
+    here = _on_cpu(raw.sharding)
+    if _in_device_memory(raw.sharding) and (
+        staging is Staging.ALWAYS or (staging is Staging.AUTO and not here)):
+      out[i] = (raw, raw, Read.STAGE)
+    else:
+      out[i] = (raw, raw, Read.VIEW if here else Read.PINNED)
+      if not here:
+        moves.append(i)
+  if moves:
+    raws = [out[i][0] for i in moves]
+    pinned = jax.device_put(raws, [r.sharding.with_memory_kind("pinned_host") for r in raws])
+    for i, arr in zip(moves, pinned, strict=True):
+      out[i] = (out[i][0], arr, Read.PINNED)
+  return out
 
 
 def _land(out: list[Parts | np.ndarray | None], round_: Sequence[tuple[jax.Array, _Part]]

@@ -32,7 +32,7 @@ from ..._index import Index, shape_of
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafSpec
-from ...options import SnapshotOptions, Staging
+from ...options import SnapshotOptions
 from ...stores import HostFiles
 from .. import _copy
 from ..base import DomainStores, Header
@@ -90,10 +90,7 @@ class HostFilesBackend(DomainStores):
       why = _parity.groups_error(len(set(self._domains.values())), options.parity_k)
       if why:
         raise ValueError(why)
-    self._stager = (Stager(piece_bytes=options.staging_piece_bytes,
-                           chunk_bytes=options.chunk_bytes,
-                           budget_bytes=options.staging_budget_bytes)
-                    if options.staging is not Staging.NEVER else None)
+    self._stager = Stager.of(options)
     self._views_plan: StepPlan | None = None  # slot views of the plan being read
     self._views: dict[tuple[int, int], np.ndarray] = {}
     self._views_lock = threading.Lock()  # fetches run on the pool

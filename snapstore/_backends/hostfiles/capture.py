@@ -22,7 +22,6 @@ a single controller captures per failure domain (:func:`capture_by_domain`).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 from collections.abc import Sequence
 from typing import Any, cast
@@ -53,7 +52,7 @@ from ..._tree import (
 )
 from ...options import Staging
 from .._copy import Capture, Packed
-from ..staging import Stager
+from ..staging import Read, Stager, staged
 
 
 @dataclasses.dataclass
@@ -201,63 +200,6 @@ def _replicate(cap: Capture, transfers: Sequence[Transfer], *, step: int,
             cap.pieces.append(Piece(t.leaf, index, nbytes))
             cap.owners.append(t.owner_of[index])
             cap.sources.append(Packed(rows[device_id], start))
-
-
-def _plain(spec: LeafSpec, leaf: Any) -> jax.Array:
-  """The leaf as a plain array (key data for keys), where the state holds it."""
-  return jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
-
-
-@functools.lru_cache(maxsize=4096)
-def _on_cpu(sharding: jax.sharding.Sharding) -> bool:
-  devices: set[jax.Device] = sharding.device_set
-  return all(d.platform == "cpu" for d in devices)
-
-
-@functools.lru_cache(maxsize=4096)
-def _in_device_memory(sharding: jax.sharding.Sharding) -> bool:
-  """Whether a leaf lives in device memory (a leaf already in host memory
-  is not staged: a program reads device memory)."""
-  return sharding.memory_kind in (None, "device")
-
-
-class Read(enum.Enum):
-  """Where a leaf's pieces are read from."""
-
-  VIEW = "view"      # CPU: a zero-copy view of each shard
-  STAGE = "stage"    # the shards, staged by the capture (:mod:`..staging`)
-  PINNED = "pinned"  # its pinned_host copy
-
-
-def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any], staging: Staging = Staging.NEVER
-           ) -> dict[int, tuple[jax.Array, jax.Array, Read]]:
-  """leaf position -> (the array leaf as a plain array, the array its pieces
-  are read from, how), for every array leaf. On CPU the leaf itself, read
-  by views (``Staging.ALWAYS``: staged). On accelerators, the leaf itself
-  to stage, or with ``Staging.NEVER`` a ``pinned_host`` copy, dispatched
-  asynchronously, all leaves in one ``device_put`` (JAX batches the
-  transfers of a list in C++: one call a leaf costs Python per leaf on the
-  training thread, every snapshot)."""
-  out: dict[int, tuple[jax.Array, jax.Array, Read]] = {}
-  moves: list[int] = []
-  for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
-    if spec.kind in (LeafKind.SCALAR, LeafKind.NUMPY):
-      continue
-    raw = _plain(spec, leaf)
-    here = _on_cpu(raw.sharding)
-    if _in_device_memory(raw.sharding) and (
-        staging is Staging.ALWAYS or (staging is Staging.AUTO and not here)):
-      out[i] = (raw, raw, Read.STAGE)
-    else:
-      out[i] = (raw, raw, Read.VIEW if here else Read.PINNED)
-      if not here:
-        moves.append(i)
-  if moves:
-    raws = [out[i][0] for i in moves]
-    pinned = jax.device_put(raws, [r.sharding.with_memory_kind("pinned_host") for r in raws])
-    for i, arr in zip(moves, pinned, strict=True):
-      out[i] = (out[i][0], arr, Read.PINNED)
-  return out
 
 
 def _add_numpy(cap: Capture, leaf_idx: int, leaf: Any, owner: int) -> None:

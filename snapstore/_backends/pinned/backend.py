@@ -1,13 +1,16 @@
-"""The pinned-host backend (single controller, Pathways): one store per
-failure domain (slice), holding ``pinned_host`` arrays on that domain's own
-hosts (:mod:`.capture`), so losing a slice loses exactly its arrays.
+"""The pinned-host backend (single controller): one store per failure
+domain (slice). On Pathways (``PinnedMemory.SLICE_HOSTS``) a store holds
+``pinned_host`` arrays on that domain's own hosts (:mod:`.capture`), so
+losing a slice loses exactly its arrays; where this process has every
+device's host memory (``PinnedMemory.PROCESS``: CPU devices, one host's
+chips) it holds each slice's copies in memory of its own, staged off
+accelerators at the link's speed.
 
-Restore moves each piece used from ``pinned_host`` memory to its target
-device and checks it there: crc32c of the pinned buffer in place where the
-controller can address it (CPU), else the on-device sum recomputed on the
-receiving device. Where every target device holds a copy of its own shard
-(pause-resume on the same mesh), :meth:`place_leaf` puts the whole leaf back
-with one ``device_put``.
+Restore moves each piece used to its target device and checks it: crc32c
+of the host copy where this process can address it (PROCESS, or CPU),
+else the on-device sum recomputed on the receiving device. Where every
+target device holds a copy of its own shard (pause-resume on the same
+mesh), :meth:`place_leaf` puts the whole leaf back with one ``device_put``.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from ..._manifest import piece_row
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafKind, LeafSpec
 from ...options import SnapshotOptions
-from ...stores import PinnedChecksum, PinnedHost
+from ...stores import PinnedChecksum, PinnedHost, PinnedMemory
 from .. import _copy
 from ..base import DomainStores, Header
+from ..staging import Report, Stager
 from . import capture as _capture
 from .capture import device_of
 from .store import PINNED, PinnedHostStore, Stored
@@ -45,12 +49,34 @@ from .store import PINNED, PinnedHostStore, Stored
 logger = logging.getLogger(__name__)
 
 
-def checksum_for(devices: Sequence[jax.Device], choice: PinnedChecksum) -> ChecksumKind:
-  """``PinnedHost.checksum`` -> kind: crc32c where the controller addresses
-  pinned memory in place (CPU), an on-device sum elsewhere."""
+def memory_for(devices: Sequence[jax.Device], spec: PinnedHost) -> PinnedMemory:
+  """``PinnedHost.memory`` -> PROCESS or SLICE_HOSTS. AUTO: PROCESS where
+  this process has every device's host memory (CPU devices, or the devices
+  of a job of one process that is not a Pathways client: JAX's platforms
+  name no ``proxy``, pathwaysutils' own test), unless the checksum asked
+  for is the device's."""
+  if spec.memory is not PinnedMemory.AUTO:
+    return spec.memory
+  if spec.checksum is PinnedChecksum.DEVICE:
+    return PinnedMemory.SLICE_HOSTS
+  if all(d.platform == "cpu" for d in devices):
+    return PinnedMemory.PROCESS
+  pathways = "proxy" in str(jax.config.jax_platforms or "")
+  here = jax.process_index()
+  if not pathways and jax.process_count() == 1 and all(d.process_index == here
+                                                       for d in devices):
+    return PinnedMemory.PROCESS
+  return PinnedMemory.SLICE_HOSTS
+
+
+def checksum_for(devices: Sequence[jax.Device], choice: PinnedChecksum,
+                 memory: PinnedMemory = PinnedMemory.SLICE_HOSTS) -> ChecksumKind:
+  """``PinnedHost.checksum`` -> kind: crc32c where this process addresses
+  the copies in place (PROCESS, or pinned memory on CPU), an on-device sum
+  elsewhere."""
   if choice is PinnedChecksum.AUTO:
-    choice = (PinnedChecksum.HOST if all(d.platform == "cpu" for d in devices)
-              else PinnedChecksum.DEVICE)
+    choice = (PinnedChecksum.HOST if memory is PinnedMemory.PROCESS
+              or all(d.platform == "cpu" for d in devices) else PinnedChecksum.DEVICE)
   return ChecksumKind.CRC32C if choice is PinnedChecksum.HOST else ChecksumKind.DEVICE_SUM
 
 
@@ -59,6 +85,11 @@ class _Pending:
   header: Header
   capture: _capture.PinnedCapture
   slots: dict[int, int]  # domain -> slot
+
+  @property
+  def staging(self) -> Report:
+    """What the capture staged (:mod:`..staging`; PROCESS off CPU)."""
+    return self.capture.staged
 
 
 class PinnedHostBackend(DomainStores):
@@ -72,9 +103,12 @@ class PinnedHostBackend(DomainStores):
     self.spec = spec
     self._pool = pool
     self._slices = {k: list(v) for k, v in slices.items()}
-    self.checksum = checksum_for([d for v in slices.values() for d in v],
-                                 spec.checksum)
-    # Where this process can read the pinned bytes (CRC32C: on CPU), a piece
+    devices = [d for v in slices.values() for d in v]
+    self.memory = memory_for(devices, spec)
+    self.checksum = checksum_for(devices, spec.checksum, self.memory)
+    in_process = self.memory is PinnedMemory.PROCESS
+    self._stager = Stager.of(options) if in_process else None
+    # Where this process can read the stored bytes (CRC32C: PROCESS), a piece
     # is verified while it is copied out (one pass, on the pool, ahead of
     # use) and the copy put back; else each leaf is put back from its
     # devices' own copies at once and verified there (place_leaf).
@@ -109,13 +143,14 @@ class PinnedHostBackend(DomainStores):
     cap = _capture.capture(specs, leaves, slices=live, replicas=replicas,
                            step=header.step, checksum=self.checksum,
                            chunk_bytes=self.options.chunk_bytes, before_dispatch=make_room,
-                           stripes=stripes)
+                           stripes=stripes, host=self.memory is PinnedMemory.PROCESS,
+                           stager=self._stager, staging=self.options.staging)
     return _Pending(header, cap, slots)
 
   def drain(self, pending: _Pending) -> int:
     cap = pending.capture
-    if cap.cpu:  # CPU: one pass per byte, on the host, into the slot's memory
-      cap.copy_on_cpu(lambda sid, n: self.stores[sid].memory(pending.slots[sid], n),
+    if cap.host:  # PROCESS: one pass per byte, on the host, into the slot's memory
+      cap.copy_to_host(lambda sid, n: self.stores[sid].memory(pending.slots[sid], n),
                        self._pool, self.options.chunk_bytes)
     # Checksums first: each waits for its own copy only, so they run while
     # later copies still land; then every copy (the ones no checksum read).
@@ -126,7 +161,7 @@ class PinnedHostBackend(DomainStores):
       store = self.stores[sid]
       sums = sums_of[sid]
       nbytes += cap.nbytes(sid)
-      store.fill(slot, cap.arrays[sid], cap.cpu_devices.get(sid))
+      store.fill(slot, cap.arrays[sid], cap.host_devices.get(sid))
       _copy.commit(store, pending.header,
                    (piece_row(p.leaf, p.index, pos, p.nbytes, ck, owner, cap.kind(p.leaf, p.index))
                     for pos, ((p, owner), ck) in enumerate(zip(cap.pieces[sid], sums,

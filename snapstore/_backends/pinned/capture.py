@@ -24,13 +24,13 @@ import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
-from typing import Any, cast
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from ... import _faults, _parity
+from ... import _faults, _jax_private, _parity
 from ..._checksum import (
   Checksum,
   ChecksumKind,
@@ -41,9 +41,13 @@ from ..._checksum import (
   shard_checksums,
 )
 from ..._index import Index, nbytes as index_nbytes, normalize
-from ..._placement import HolderLayout, holder_layout, ring_keepers, shard_arrays
-from ..._tree import LeafKind, LeafSpec, Piece, piece_of, positions
-from .._copy import Capture, drain_domains, slot_offsets
+from ..._placement import HolderLayout, holder_layout, shard_arrays
+from ..._tree import LeafKind, LeafSpec, Piece, positions
+from ...options import Staging
+from .._copy import Capture
+from ..staging import Read, Report, Stager, staged
+from .host import HostJob, Later, add_host_leaf, copy_to_host
+from .ring import Ring, copy_of, structure
 from .store import PINNED, Stored
 
 
@@ -60,15 +64,14 @@ class PinnedCapture:
   # (stripe, block) of each parity piece -> (members, layout, length)
   parity: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Any, ...], int]] = \
       dataclasses.field(default_factory=dict)
-  # CPU: domain -> (pieces the drain copies on the host (views of their
-  # device buffers, pinned against donation), their positions, the devices
-  # that keep them)
-  cpu: dict[int, tuple[Capture, list[int], list[jax.Device]]] = \
-      dataclasses.field(default_factory=dict)
-  cpu_sums: dict[int, dict[int, Checksum]] = dataclasses.field(default_factory=dict)
-  # CPU: domain -> position -> device of each host part (the store's handles)
-  cpu_devices: dict[int, dict[int, jax.Device]] = dataclasses.field(default_factory=dict)
+  # In this process's memory (PinnedMemory.PROCESS): domain -> what the
+  # drain copies there, and the crc32c it found of each position
+  host: dict[int, HostJob] = dataclasses.field(default_factory=dict)
+  host_sums: dict[int, dict[int, Checksum]] = dataclasses.field(default_factory=dict)
+  # domain -> position -> the device each host part belongs to (the store's handles)
+  host_devices: dict[int, dict[int, jax.Device]] = dataclasses.field(default_factory=dict)
   checksum: ChecksumKind = ChecksumKind.DEVICE_SUM  # of every piece not in ``kinds``
+  staged: Report = dataclasses.field(default_factory=Report)  # what staging did
 
   def kind(self, leaf: int, index: Index) -> ChecksumKind:
     return self.kinds.get((leaf, index), self.checksum)
@@ -76,31 +79,12 @@ class PinnedCapture:
   def nbytes(self, domain: int) -> int:
     return sum(p.nbytes for p, _ in self.pieces[domain])
 
-  def copy_on_cpu(self, take: Callable[[int, int], np.ndarray], pool: futures.Executor,
+  def copy_to_host(self, take: Callable[[int, int], np.ndarray], pool: futures.Executor,
                    chunk_bytes: int) -> None:
-    """CPU: copies every domain's host pieces into ``take(domain, bytes)``
-    with their crc32c in one pass (the host-files drain); each piece is
-    then its part of that memory, with the device it belongs to (the store
-    makes a ``pinned_host`` array of it on demand, without a copy). A piece
-    an earlier domain keeps too (a data-parallel twin) is
-    written from the cache as that domain's copy passes: the same checked
-    bytes, one read of memory and one crc32c for both."""
-    jobs = {d: self.cpu.pop(d) for d in sorted(self.cpu)}
-    offsets = {d: slot_offsets(cap.pieces) for d, (cap, _, _) in jobs.items()}
-    bufs = {d: take(d, cap.nbytes) for d, (cap, _, _) in jobs.items()}
-    kinds = {d: [(src.dtype, src.shape) for src in cast(list[np.ndarray], cap.sources)]
-             for d, (cap, _, _) in jobs.items()}
-    crcs = drain_domains({d: cap for d, (cap, _, _) in jobs.items()}, bufs, offsets,
-                         pool=pool, chunk_bytes=chunk_bytes)
-    for d, (cap, places, devices) in jobs.items():
-      parts = [bufs[d][at:at + p.nbytes].view(dtype).reshape(shape)
-               for p, at, (dtype, shape) in zip(cap.pieces, offsets[d], kinds[d], strict=True)]
-      sums = self.cpu_sums.setdefault(d, {})
-      where = self.cpu_devices.setdefault(d, {})
-      for pos, device, part, crc in zip(places, devices, parts, crcs[d], strict=True):
-        self.arrays[d][pos] = part
-        where[pos] = device
-        sums[pos] = crc
+    """``PinnedMemory.PROCESS``: the drain's copy of every domain's pieces
+    into ``take(domain, bytes)`` (:func:`.host.copy_to_host`)."""
+    jobs = {d: self.host.pop(d) for d in sorted(self.host)}
+    copy_to_host(jobs, self.arrays, self.host_sums, self.host_devices, take, pool, chunk_bytes)
 
   def wait(self) -> None:
     """Blocks until every copy has landed (raises if a slice died meanwhile)."""
@@ -109,7 +93,7 @@ class PinnedCapture:
 
   def checksums(self, domain: int, pool: futures.Executor) -> list[Checksum]:
     """Each piece's checksum (crc32c of host copies runs on ``pool``)."""
-    done = self.cpu_sums.get(domain, {})
+    done = self.host_sums.get(domain, {})
     rest = [(pos, p) for pos, (p, _) in enumerate(self.pieces[domain]) if pos not in done]
     got = dict(zip((pos for pos, _ in rest),
                    pool.map(lambda x: self.sums[(x[1].leaf, x[1].index)](), rest), strict=True))
@@ -121,10 +105,18 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
             step: int = -1, checksum: ChecksumKind = ChecksumKind.DEVICE_SUM,
             chunk_bytes: int = 16 << 20,
             before_dispatch: Callable[[dict[int, int]], None] = lambda nbytes: None,
-            stripes: _parity.Stripes | None = None) -> PinnedCapture:
+            stripes: _parity.Stripes | None = None, host: bool = False,
+            stager: Stager | None = None, staging: Staging = Staging.AUTO) -> PinnedCapture:
   """Dispatches ``pinned_host`` copies of every piece to the domains that keep
   it; returns at once (the copies and checksums complete asynchronously, and
   XLA orders them before any later step that donates the buffers).
+
+  With ``host`` (``PinnedMemory.PROCESS``; crc32c checksums) every piece is
+  left for the drain to copy into this process's memory
+  (:meth:`PinnedCapture.copy_to_host`), read as host files read it: a
+  view of each CPU shard, else (with a ``stager``) the shard staged in
+  device memory and on its way to host memory in pieces, which blocks only
+  for what does not fit the staging budget (:mod:`..staging`).
 
   With ``stripes`` (``redundancy="parity"``), a leaf with a piece that no
   other domain holds is kept by its own domain only, plus the parity blocks
@@ -134,29 +126,38 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   ``before_dispatch(bytes per domain)`` runs before any memory is taken: it
   may raise (over budget) or evict older snapshots.
   """
-  ring = _Ring(slices)
+  ring = Ring(slices)
   cap = PinnedCapture({k: [] for k in ring.order}, {k: [] for k in ring.order}, {}, {}, {},
                       checksum=checksum)
-  # On CPU a pinned copy is host memory like any other: the drain copies
-  # each piece once, checksumming it as it goes, into memory reused from the
-  # slot's last snapshot (a put to pinned_host would cost the caller a JAX
-  # call a leaf, and the drain a second pass for the crc32c and fresh pages).
-  on_cpu = checksum is ChecksumKind.CRC32C and all(
-      d.platform == "cpu" for devs in ring.slices.values() for d in devs)
-  if on_cpu:
-    cap.cpu = {d: (Capture(list(specs), [], [], [], {}), [], []) for d in ring.order}
+  # In this process's memory a piece is copied once by the drain, which
+  # checksums it as it goes, into memory reused from the slot's last
+  # snapshot (a put to pinned_host would cost the caller a JAX call a leaf,
+  # the drain a second pass for the crc32c and fresh pages, and a TPU the
+  # link's speed: ~1 GB/s, not ~14, on a v5e).
+  if host and checksum is not ChecksumKind.CRC32C:
+    raise ValueError("a pinned-host capture into this process's memory checks by crc32c")
+  arrays = staged(specs, leaves, staging if stager is not None else Staging.NEVER) if host else {}
+  if host:
+    cap.host = {d: HostJob(Capture(list(specs), [], [], [], {})) for d in ring.order}
+  later: list[jax.Array] = []  # shards to stage (PROCESS off CPU), each read by one _Later
   placed, protect = _place_leaves(cap, specs, leaves, ring, replicas=replicas, step=step,
-                                  chunk_bytes=chunk_bytes, stripes=stripes, on_cpu=on_cpu)
+                                  chunk_bytes=chunk_bytes, stripes=stripes, arrays=arrays,
+                                  later=later)
   length = (_place_parity(cap, ring, stripes, protect)
             if protect and stripes is not None else 0)
   before_dispatch({d: cap.nbytes(d) for d in ring.order})
-  slot = ({} if on_cpu and not protect else
+  slot = ({} if host and not protect else
           {(p.leaf, p.index, d): n for d, ps in cap.pieces.items()
            for n, (p, _) in enumerate(ps)})
   _dispatch_leaves(cap, specs, placed, ring, slot, chunk_bytes)
   if protect and stripes is not None:
     _dispatch_parity(cap, ring, stripes, protect, length, slot, step=step,
                      chunk_bytes=chunk_bytes)
+  if later and stager is not None:  # (after before_dispatch: it may raise, or evict)
+    got, cap.staged = stager.stage(later)
+    for job in cap.host.values():
+      job.capture.sources = [got[x.k] if isinstance(x, Later) else x
+                             for x in job.capture.sources]
   return cap
 
 
@@ -164,13 +165,15 @@ _Placed = list[tuple[int, jax.Array, "_LeafPlacement"]]
 
 
 def _place_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], leaves: Sequence[Any],
-                 ring: _Ring, *, replicas: int, step: int, chunk_bytes: int,
-                 stripes: _parity.Stripes | None, on_cpu: bool,
-                 ) -> tuple[_Placed, list[tuple[int, jax.Array]]]:
+                 ring: Ring, *, replicas: int, step: int, chunk_bytes: int,
+                 stripes: _parity.Stripes | None,
+                 arrays: Mapping[int, tuple[jax.Array, jax.Array, Read]],
+                 later: list[jax.Array]) -> tuple[_Placed, list[tuple[int, jax.Array]]]:
   """Where each leaf's pieces go: scalars and numpy leaves taken now (a
-  checked copy a domain), CPU leaves into the host captures, the rest
-  placed for dispatch. Returns the placed leaves and those that parity
-  protects instead of replicas."""
+  checked copy a domain), array leaves read as ``arrays`` says (PROCESS:
+  :func:`..staging.staged`) into the host jobs, the rest placed for
+  dispatch. Returns the placed leaves and those that parity protects
+  instead of replicas."""
   placed: _Placed = []
   protect: list[tuple[int, jax.Array]] = []
   for i, (spec, leaf) in enumerate(zip(specs, leaves, strict=True)):
@@ -189,23 +192,25 @@ def _place_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], leaves: Sequenc
         cap.arrays[k].append(data if k == ring.order[0] else data.copy())
     else:
       arr = jax.random.key_data(leaf) if spec.kind is LeafKind.KEY else leaf
+      if i in arrays:  # PROCESS: its device-memory value (parity reads it)
+        arr = arrays[i][0]
       kept = replicas
       if stripes is not None and _held_once(holder_layout(spec.path, arr, ring.domain_of)) \
           and _parity.evenly_sharded(stripes, arr):
         kept = 0  # its own domain's copy, and the stripes' parity blocks
         protect.append((i, arr))
-      if on_cpu:
-        _add_cpu_leaf(cap, i, spec.path, arr, ring, kept)
+      if i in arrays:
+        add_host_leaf(cap, i, spec.path, arrays[i], ring, kept, later)
         continue
       plan = _LeafPlacement.of(spec, arr, ring, kept)
       for (index, d), owner in plan.keep.items():
-        cap.pieces[d].append(_kept(i, index, plan.nbytes(index), owner))
+        cap.pieces[d].append(copy_of(i, index, plan.nbytes(index), owner))
         cap.arrays[d].append(None)  # filled at dispatch
       placed.append((i, arr, plan))
   return placed, protect
 
 
-def _place_parity(cap: PinnedCapture, ring: _Ring, stripes: _parity.Stripes,
+def _place_parity(cap: PinnedCapture, ring: Ring, stripes: _parity.Stripes,
                  protect: list[tuple[int, jax.Array]]) -> int:
   """A slot for each parity block in its device's domain; returns the
   stripes' padded length."""
@@ -222,7 +227,7 @@ def _place_parity(cap: PinnedCapture, ring: _Ring, stripes: _parity.Stripes,
 
 
 def _dispatch_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], placed: _Placed,
-                     ring: _Ring, slot: dict[tuple[int, Index, int], int],
+                     ring: Ring, slot: dict[tuple[int, Index, int], int],
                      chunk_bytes: int) -> None:
   """Off CPU: the pinned copies of the placed leaves, and a checksum of
   each piece (on device, or of its host copy)."""
@@ -242,17 +247,25 @@ def _dispatch_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], placed: _Pla
                                              piece_key(specs[i].path, index)))
 
 
-def _dispatch_parity(cap: PinnedCapture, ring: _Ring, stripes: _parity.Stripes,
+def _dispatch_parity(cap: PinnedCapture, ring: Ring, stripes: _parity.Stripes,
                      protect: list[tuple[int, jax.Array]], length: int,
                      slot: dict[tuple[int, Index, int], int], *, step: int,
                      chunk_bytes: int) -> None:
-  """The parity blocks, encoded on device, each to its own device's host RAM."""
+  """The parity blocks, encoded on device, each to its own device's host
+  RAM (PROCESS: left for the drain, their copies to host under way)."""
   out = _parity.encode(stripes, [a for _, a in protect], length)
   _faults.point("replica", step)
+  if cap.host:
+    _jax_private.copy_to_host_async([shard.data for shard in out.addressable_shards])
   for shard in out.addressable_shards:
     s, j = stripes.where[shard.device]
     d, index = ring.domain(shard.device), ((stripes.stripe_id(s), j),)
     at = slot[(_parity.PARITY_LEAF, index, d)]
+    if cap.host:  # a fresh buffer that no step donates: the drain waits for it
+      piece = cap.pieces[d][at][0]
+      cap.host[d].add(piece, d, shard.data, at, np.dtype(shard.data.dtype),
+                      tuple(shard.data.shape), shard.device)
+      continue
     cap.arrays[d][at] = jax.device_put(shard.data, _pinned_on(shard.device))
     cap.sums[(_parity.PARITY_LEAF, index)] = (
         _pending_sum(shard.data, None) if cap.checksum is ChecksumKind.DEVICE_SUM
@@ -269,94 +282,7 @@ def _held_once(layout: HolderLayout) -> bool:
   return any(len(held) < 2 for _, held in layout)
 
 
-# per keeping domain: (domain, (piece, owner) of each copy, its piece, which
-# view it is read from, the device that keeps it)
-_HostRowsDomains = tuple[tuple[int, tuple[tuple[Piece, int], ...], tuple[Piece, ...],
-                               tuple[int, ...], tuple[jax.Device, ...]], ...]
 
-
-@dataclasses.dataclass(frozen=True)
-class _CpuRows:
-  """A leaf's copies on CPU, from its layout alone (the same every save),
-  as :func:`_add_cpu_leaf` appends them: the shard position of each view
-  taken (one per index: a data-parallel twin's own buffer is never read),
-  and per keeping domain, in keep order, (domain, (piece, owner) of each
-  copy, its piece, which view it is read from, the device that keeps it)."""
-
-  views: tuple[int, ...]
-  domains: _HostRowsDomains
-
-
-@functools.lru_cache(maxsize=1 << 16)  # one entry a leaf: a state has thousands
-def _cpu_rows(leaf: int, layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring,
-               replicas: int, itemsize: int) -> _CpuRows:
-  keep, _, copies = _structure(layout, device_ids, ring, replicas)
-  view_of: dict[Index, int] = {}  # index -> its view's number
-  views: list[int] = []           # each view's shard position
-  per: dict[int, list[tuple[tuple[Piece, int], Piece, int, jax.Device]]] = {
-      d: [] for d in ring.order}
-  for (index, d), (at, device, _) in copies.items():  # keep order (see _structure)
-    if index not in view_of:
-      view_of[index] = len(views)
-      views.append(at)
-    n = index_nbytes(index, itemsize)
-    per[d].append((_kept(leaf, index, n, keep[(index, d)]), piece_of(leaf, index, n),
-                   view_of[index], device))
-  # (each domain's rows, transposed: its copies, pieces, views and devices)
-  columns = tuple((d, *map(tuple, zip(*rows, strict=True))) for d, rows in per.items() if rows)
-  return _CpuRows(tuple(views), cast(_HostRowsDomains, columns))
-
-
-def _add_cpu_leaf(cap: PinnedCapture, leaf: int, path: str, arr: jax.Array, ring: _Ring,
-                   replicas: int) -> None:
-  """CPU: appends the copies of one leaf (``replicas`` more than its
-  holders', ring order), their sources pinned by a view each (the drain
-  copies them); its per-copy plan is computed once (:func:`_cpu_rows`): a
-  state has thousands of copies, every save."""
-  rows = _cpu_rows(leaf, holder_layout(path, arr, ring.domain_of), tuple(positions(arr)),
-                    ring, replicas, arr.dtype.itemsize)
-  shards = shard_arrays(arr)
-  views = [np.asarray(shards[at]) for at in rows.views]  # pin the buffers (no donation)
-  for d, kept, pieces, which, devices in rows.domains:
-    hc, places, devs = cap.cpu[d]
-    base = len(cap.pieces[d])
-    cap.pieces[d].extend(kept)
-    cap.arrays[d].extend([None] * len(kept))  # the drain's parts fill them
-    hc.pieces.extend(pieces)
-    hc.owners.extend([d] * len(kept))
-    hc.sources.extend([views[k] for k in which])
-    places.extend(range(base, base + len(kept)))
-    devs.extend(devices)
-
-
-class _Ring:
-  """Failure domains in ring order, and each device's place in its domain."""
-
-  def __init__(self, slices: Mapping[int, Sequence[jax.Device]]):
-    self.slices = {k: list(v) for k, v in slices.items()}
-    self.order = sorted(self.slices)
-    self._where = {d: (k, i) for k, devs in self.slices.items() for i, d in enumerate(devs)}
-    self.domain_of = {d: k for d, (k, _) in self._where.items()}
-    self._by_id = {d.id: d for d in self._where}
-    self._key = tuple((k, tuple(d.id for d in self.slices[k])) for k in self.order)
-
-  def __hash__(self) -> int:
-    return hash(self._key)
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, _Ring) and self._key == other._key
-
-  def device(self, device_id: int) -> jax.Device:
-    return self._by_id[device_id]
-
-  def domain(self, device: jax.Device) -> int:
-    return self._where[device][0]
-
-  def shifted(self, device: jax.Device, k: int) -> jax.Device | None:
-    """The device at the same place ``k`` domains further on the ring."""
-    d, pos = self._where[device]
-    target = self.slices[self.order[(self.order.index(d) + k) % len(self.order)]]
-    return target[pos] if pos < len(target) else None
 
 
 @dataclasses.dataclass
@@ -376,10 +302,10 @@ class _LeafPlacement:
   shards: Sequence[jax.Array] = ()  # by position
 
   @classmethod
-  def of(cls, spec: LeafSpec, arr: jax.Array, ring: _Ring, replicas: int) -> _LeafPlacement:
+  def of(cls, spec: LeafSpec, arr: jax.Array, ring: Ring, replicas: int) -> _LeafPlacement:
     layout = holder_layout(spec.path, arr, ring.domain_of)
     shards = shard_arrays(arr)
-    keep, owners, copies = _structure(layout, tuple(positions(arr)), ring, replicas)
+    keep, owners, copies = structure(layout, tuple(positions(arr)), ring, replicas)
     holders = {index: {d: shards[at] for d, at in held} for index, held in layout}
     return cls(arr.dtype.itemsize, holders, keep,
                {index: shards[at] for index, at in owners}, copies, shards)
@@ -399,7 +325,7 @@ class _LeafPlacement:
     at, device, _ = self.copies[(index, domain)]
     return self.shards[at], device
 
-  def dispatch(self, arr: jax.Array, ring: _Ring) -> dict[tuple[Index, int], jax.Array]:
+  def dispatch(self, arr: jax.Array, ring: Ring) -> dict[tuple[Index, int], jax.Array]:
     """Starts the copies: whole-array ``device_put``s where the sharding
     allows (async, one dispatch, all devices in parallel), else one put per
     piece."""
@@ -432,7 +358,7 @@ class _LeafPlacement:
     return out
 
   @staticmethod
-  def _collect(copy: jax.Array, ring: _Ring, shape: tuple[int, ...],
+  def _collect(copy: jax.Array, ring: Ring, shape: tuple[int, ...],
                wanted: Sequence[tuple[Index, int]], out: dict) -> None:
     want = set(wanted)
     for shard in copy.addressable_shards:
@@ -441,49 +367,12 @@ class _LeafPlacement:
         out[key] = shard.data
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _kept(leaf: int, index: Index, nbytes: int, owner: int) -> tuple[Piece, int]:
-  """(piece, owner domain), one object for the run (see :func:`snapstore._tree.piece_of`)."""
-  return piece_of(leaf, index, nbytes), owner
-
-
-@functools.lru_cache(maxsize=4096)
-def _structure(layout: HolderLayout, device_ids: tuple[int, ...], ring: _Ring, replicas: int
-               ) -> tuple[dict[tuple[Index, int], int], tuple[tuple[Index, int], ...],
-                          dict[tuple[Index, int], tuple[int, jax.Device, int]]]:
-  """A leaf's copies, from its layout alone (the same every save):
-  (index, domain) -> owner domain for each copy kept (:func:`ring_keepers`);
-  each index's owner shard position; and where each copy comes from
-  (:attr:`_LeafPlacement.copies`): the domain's own shard, else the shard of the
-  nearest domain back on the ring that holds the index, kept by the device
-  at the same place in the domain."""
-  keep: dict[tuple[Index, int], int] = {}
-  owners: list[tuple[Index, int]] = []
-  copies: dict[tuple[Index, int], tuple[int, jax.Device, int]] = {}
-  n = len(ring.order)
-  for index, held in layout:
-    at_of = dict(held)
-    owner = min(at_of)
-    owners.append((index, at_of[owner]))
-    for t in ring_keepers(at_of, ring.order, replicas):
-      keep[(index, t)] = owner
-      if t in at_of:
-        copies[(index, t)] = (at_of[t], ring.device(device_ids[at_of[t]]), 0)
-        continue
-      pos = ring.order.index(t)
-      k = next(k for k in range(1, n) if ring.order[(pos - k) % n] in at_of)
-      at = at_of[ring.order[(pos - k) % n]]
-      there = ring.shifted(ring.device(device_ids[at]), k) or ring.slices[t][0]
-      copies[(index, t)] = (at, there, k)
-  return keep, tuple(owners), copies
-
-
 @functools.lru_cache(maxsize=4096)
 def _pinned_on(device: jax.Device) -> SingleDeviceSharding:
   return SingleDeviceSharding(device, memory_kind=PINNED)
 
 
-def _ring_sharding(sharding: jax.sharding.Sharding, ring: _Ring, k: int
+def _ring_sharding(sharding: jax.sharding.Sharding, ring: Ring, k: int
                    ) -> NamedSharding | None:
   """``sharding`` with every device replaced by the one ``k`` domains on, in
   ``pinned_host`` memory: a put onto it copies each shard to the next domain."""

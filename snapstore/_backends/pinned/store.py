@@ -7,10 +7,11 @@ when none is free), manifests committed after the data, retention by the
 shared rule. ``PieceRecord.offset`` is the piece's position in its slot's
 array list.
 
-On CPU a slot holds each piece as its part of the slot's host memory (a
-numpy view: what the drain wrote and the restore reads), and hands out a
-``pinned_host`` array of it on its device only when asked
-(:meth:`PinnedHostStore.array`): the same bytes, no copy. A jax.Array per
+In this process's memory (``PinnedMemory.PROCESS``) a slot holds each
+piece as its part of the slot's host memory (a numpy view: what the drain
+wrote and the restore reads), and hands out a ``pinned_host`` array of it
+on its device only when asked (:meth:`PinnedHostStore.array`; CPU: the
+same bytes, no copy). A jax.Array per
 piece held for the life of a snapshot would cost the drain a JAX call per
 piece every save, and make thousands of long-lived objects that bring
 Python's full collections closer.
@@ -52,10 +53,10 @@ class PinnedHostStore(ProgressInMemory):
     self.budget_bytes = budget_bytes
     self._manifests: dict[tuple[int, int], Manifest] = {}  # (step, incarnation) ->
     self._slots: dict[int, list[Stored]] = {}  # slot -> its arrays
-    # CPU: slot -> position -> the device whose pinned memory holds that part
+    # PROCESS: slot -> position -> the device each part belongs to
     self._devices: dict[int, dict[int, jax.Device]] = {}
     self._handles: dict[int, dict[int, jax.Array]] = {}  # handed out by array()
-    # CPU: each slot's host memory, which its arrays adopt and the slot's
+    # PROCESS: each slot's host memory, which its arrays adopt and the slot's
     # next snapshot reuses once they are freed (a slot file's counterpart)
     self._memory: dict[int, ArenaCache] = {}
     self.num_slots = keep + 1
@@ -88,8 +89,8 @@ class PinnedHostStore(ProgressInMemory):
 
   def fill(self, slot: int, arrays: list[Stored],
            devices: dict[int, jax.Device] | None = None) -> None:
-    """``slot``'s pieces, by position; ``devices``: for each host part (CPU),
-    the device it belongs to."""
+    """``slot``'s pieces, by position; ``devices``: for each host part
+    (PROCESS), the device it belongs to."""
     self._slots[slot] = arrays
     self._devices[slot] = devices or {}
 
@@ -99,7 +100,7 @@ class PinnedHostStore(ProgressInMemory):
 
   def part(self, slot: int, position: int) -> Stored:
     """A piece as held: a ``pinned_host`` array, or host bytes (a numpy
-    leaf's copy; a CPU part). Raises RuntimeError for a CPU part whose
+    leaf's copy; a PROCESS part). Raises RuntimeError for a part whose
     handed-out array was deleted (its pinned memory is gone, as a lost
     slice's is)."""
     handle = self._handles.get(slot, {}).get(position)
@@ -108,8 +109,8 @@ class PinnedHostStore(ProgressInMemory):
     return self._slots[slot][position]
 
   def array(self, slot: int, position: int) -> Stored:
-    """A piece as a ``pinned_host`` array on its device (a CPU part is
-    adopted on first use: no copy), or a numpy leaf's copy."""
+    """A piece as a ``pinned_host`` array on its device (a PROCESS part is
+    adopted on first use: on CPU no copy), or a numpy leaf's copy."""
     held = self._slots[slot][position]
     device = self._devices.get(slot, {}).get(position)
     if device is None or not isinstance(held, np.ndarray):
