@@ -10,8 +10,8 @@ the manager, which plans again (an older step, then the persistent tier).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Iterable, Sequence
 from concurrent import futures
 from typing import Any, Protocol, cast
 
@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _jax_private
 from ._arena import ArenaCache, host_arena
+from ._build import build_leaf, place_host, wanted_shards
 from ._checksum import SMALL_BYTES, aligned_empty
-from ._index import Index, align, full, normalize, overlaps, shape_of, volume
+from ._index import Index, align, overlaps, shape_of, volume
 from ._planner import Copy, CopyKey, StepPlan
 from ._tree import LeafKind, LeafSpec, filled, target_sharding, wants_numpy
 
@@ -33,6 +33,11 @@ Stored = np.ndarray | jax.Array
 #: threads; two a thread keep a split that runs late from leaving the other
 #: thread idle for long.
 PREFETCH_TASK_BYTES = 4 << 20
+
+#: The least bytes of one group of :meth:`Assembler.read_and_place` (an
+#: eighth of the restore otherwise): a put of fewer costs more in calls
+#: than the overlap saves.
+GROUP_BYTES = 32 << 20
 
 #: The most bytes one run of small pieces spans (:meth:`PieceSource.fetch_run`):
 #: one copy into the arena, then each piece's crc32c while it is in cache.
@@ -108,10 +113,6 @@ class PieceSource(Protocol):
     path cuts it shard by shard). Marks the copies it rejects in
     ``assembler.bad``."""
 
-
-# (region of a leaf, device it is for, or None for host) ->
-# (array of that region, whether it is a fresh buffer the caller may keep)
-Region = Callable[[Index, jax.Device | None], tuple[Stored, bool]]
 
 
 class Assembler:
@@ -192,6 +193,73 @@ class Assembler:
     for got in [*done, *pending]:
       for key, one in got:
         self._keep(key, *one)
+
+  def read_and_place(self, pool: futures.Executor, workers: int,
+                     target_specs: Sequence[LeafSpec], targets: Sequence[Any],
+                     timings: dict[str, float]) -> list[Any]:
+    """:meth:`prefetch`, then :meth:`tree`, overlapped: the targets' leaves
+    in groups of about an eighth of their bytes, in order; while one
+    group's leaves are put on their devices, the pool reads and verifies
+    the next group's pieces (a host-to-device copy and the verifying copy
+    each take the whole restore's time otherwise, one after the other).
+    One arena for every piece, as :meth:`prefetch` takes. ``timings``
+    gets ``read_verify`` (waiting for pieces) and ``read_place``."""
+    by_path = {s.path: i for i, s in enumerate(self.plan.specs)}
+    held = {s for s in self.plan.stores if self.source.holds(s)}
+    groups: list[list[tuple[int, list[tuple[Item, int]]]]] = [[]]  # (target, its items)
+    sizes = [0]
+    per = [(i, self._items(self._reads(by_path[t.path], t, tgt), held))
+           for i, (t, tgt) in enumerate(zip(target_specs, targets, strict=True))]
+    total = sum(n for _, items in per for _, n in items)
+    for i, items in per:
+      if sizes[-1] and sizes[-1] + sum(n for _, n in items) > max(total // 8, GROUP_BYTES):
+        groups.append([])
+        sizes.append(0)
+      groups[-1].append((i, items))
+      sizes[-1] += sum(n for _, n in items)
+    need = sum(align(n) for _, items in per for _, n in items)
+    arena = (np.empty(0, np.uint8) if not need else  # (nothing here: the kept arena stays)
+             self.arenas.take(need) if self.arenas is not None else host_arena(need))
+    at = 0
+    tasks: list[list[list[tuple[Item, np.ndarray]]]] = []
+    for group, size in zip(groups, sizes, strict=True):
+      placed = []
+      for _, items in group:
+        for item, n in items:
+          placed.append((item, arena[at:at + n]))
+          at += align(n)
+      tasks.append(filled(placed, [out.nbytes for _, out in placed],
+                          max(PREFETCH_TASK_BYTES, -(-size // (2 * max(workers, 1))))))
+    fetch = lambda task: [got for item, out in task  # noqa: E731
+                          for got in self._fetch_item(item, out)]
+    out: list[Any] = [None] * len(targets)
+    pending = [pool.submit(fetch, task) for task in tasks[0]]
+    try:
+      for g, group in enumerate(groups):
+        t = time.perf_counter()
+        later = ([pool.submit(fetch, task) for task in tasks[g + 1]]
+                 if g + 1 < len(groups) else [])
+        for f in pending:
+          for key, one in f.result():
+            self._keep(key, *one)
+        pending = later
+        timings["read_verify"] = timings.get("read_verify", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
+        for i, _ in group:
+          out[i] = self.leaf(by_path[target_specs[i].path], target_specs[i], targets[i])
+        timings["read_place"] = timings.get("read_place", 0.0) + time.perf_counter() - t
+    finally:
+      futures.wait(pending)  # (a piece that raised: no task writes the arena after)
+    return out
+
+  def _reads(self, leaf: int, target_spec: LeafSpec, target: Any) -> list[tuple[int, Index]]:
+    """The pieces a restore of ``leaf`` onto ``target`` reads here: those of
+    its shards here (:meth:`local_pieces`), or every piece for a host target."""
+    spec = self.plan.specs[leaf]
+    if spec.kind is LeafKind.SCALAR:
+      return []
+    return (self.local_pieces(leaf, target_spec, target)
+            or [(leaf, idx) for idx in self.plan.leaf_copies(leaf)])
 
   def _items(self, keys: Iterable[tuple[int, Index]], held: set[int]
              ) -> list[tuple[Item, int]]:
@@ -342,7 +410,7 @@ class Assembler:
       return []
     pieces = self.plan.leaf_copies(leaf)
     out: dict[tuple[int, Index], None] = {}
-    for _, idx in _wanted(target_sharding(target), tuple(spec.shape)):
+    for _, idx in wanted_shards(target_sharding(target), tuple(spec.shape)):
       if idx in pieces:
         out[(leaf, idx)] = None
       else:
@@ -370,93 +438,16 @@ class Assembler:
     sharding = target_sharding(target)
     if sharding.memory_kind not in (None, "device"):
       return None
-    wanted = _wanted(sharding, tuple(spec.shape))
+    wanted = wanted_shards(sharding, tuple(spec.shape))
     got = self._verified
     bufs = [got.get((leaf, idx)) for _, idx in wanted]
     if not all(type(b) is np.ndarray for b in bufs):
       return None
     host = cast(list[np.ndarray], bufs)  # (checked above)
-    arr = _place_host(spec, sharding, wanted, host)  # (they are private: adopted)
+    arr = place_host(spec, sharding, wanted, host)  # (they are private: adopted)
     return jax.random.wrap_key_data(arr, impl=spec.key_impl) if spec.kind is LeafKind.KEY else arr
 
   def tree(self, target_specs: Sequence[LeafSpec], targets: Sequence[Any]) -> list[Any]:
     by_path = {s.path: i for i, s in enumerate(self.plan.specs)}
     return [self.leaf(by_path[t.path], t, tgt)
             for t, tgt in zip(target_specs, targets, strict=True)]
-
-
-FastPath = Callable[[jax.sharding.Sharding, Sequence[tuple[jax.Device, Index]]],
-                    jax.Array | None]
-
-
-def build_leaf(spec: LeafSpec, target_spec: LeafSpec, target: Any, region: Region, *,
-               fast: FastPath | None = None) -> Any:
-  """One restored leaf in the target's layout, cut region by region (or built
-  at once by ``fast`` where it can)."""
-  whole = full(spec.shape)
-  if wants_numpy(spec, target_spec, target):
-    data, fresh = region(whole, None)
-    out = np.asarray(data) if fresh else np.array(data, copy=True)
-    return out[()] if isinstance(target, np.generic) else out
-  sharding = target_sharding(target)
-  on_device = (sharding.with_memory_kind("device")
-               if sharding.memory_kind not in (None, "device") else sharding)
-  wanted = _wanted(on_device, tuple(spec.shape))
-  arr: jax.Array | None = fast(on_device, wanted) if fast is not None else None
-  if arr is None:
-    host: dict[Index, np.ndarray] = {}  # one host region per distinct index
-    bufs: list[Any] = []
-    puts: list[int] = []  # positions in bufs of host regions still to put
-    for device, nidx in wanted:
-      got: Stored | None = host.get(nidx)
-      if got is None:
-        got, _ = region(nidx, device)
-        if not isinstance(got, jax.Array):
-          host[nidx] = got
-      if not isinstance(got, jax.Array):
-        puts.append(len(bufs))
-      elif device not in got.devices():
-        got = jax.device_put(got, device)
-      bufs.append(got)
-    if len(puts) == len(bufs):  # all on the host: one call places every shard
-      # (JAX batches the transfers in C++, where a put a shard is a Python
-      # call each); ``bufs`` are private to this restore (verified copies, or cut anew),
-      # so the device arrays may adopt them
-      arr = _place_host(spec, on_device, wanted, [host[idx] for _, idx in wanted])
-    else:
-      if puts:  # one batched put, adopting the host regions as above
-        placed = jax.device_put([bufs[i] for i in puts], [wanted[i][0] for i in puts],
-                                may_alias=True)
-        for i, a in zip(puts, placed, strict=True):
-          bufs[i] = a
-      arr = jax.make_array_from_single_device_arrays(spec.shape, on_device, bufs)
-  if on_device is not sharding:
-    arr = jax.device_put(arr, sharding)
-  if spec.kind is LeafKind.KEY:
-    arr = jax.random.wrap_key_data(arr, impl=spec.key_impl)
-  return arr
-
-
-@functools.lru_cache(maxsize=4096)
-def _wanted(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
-            ) -> tuple[tuple[jax.Device, Index], ...]:
-  """(device, index) of each addressable shard of ``sharding`` (the same for
-  every restore of a leaf: computed once)."""
-  return tuple((device, normalize(idx, shape))
-               for device, idx in sharding.addressable_devices_indices_map(shape).items())
-
-
-def _place_host(spec: LeafSpec, sharding: jax.sharding.Sharding,
-                wanted: Sequence[tuple[jax.Device, Index]], bufs: Sequence[np.ndarray]
-                ) -> jax.Array:
-  """The array whose shard on each device of ``wanted`` is (adopts, on CPU)
-  the host buffer beside it: JAX's own batched put, which
-  ``make_array_from_callback`` ends in, without its per-shard Python, where
-  this JAX has it; else ``make_array_from_callback``."""
-  placed = _jax_private.batched_put(spec.shape, bufs[0].dtype if bufs else spec.np_dtype,
-                                    sharding, bufs, [d for d, _ in wanted])
-  if placed is not None:
-    return placed
-  by_index = {idx: buf for (_, idx), buf in zip(wanted, bufs, strict=True)}
-  return jax.make_array_from_callback(
-      spec.shape, sharding, lambda idx: by_index[normalize(idx, spec.shape)])

@@ -65,9 +65,10 @@ class RestoreResult:
       ``scan`` includes ``scan_persistent`` (listing the persistent tier's
       committed steps) and ``scan_exchange`` (every process's manifests,
       one exchange; multi-host); ``read``, of the step restored, includes
-      ``read_verify`` (its copies read and checked), ``read_agree`` (the
-      hosts agreeing on bad copies; multi-host) and ``read_place`` (pieces
-      moved between hosts or rebuilt, and the leaves built).
+      ``read_verify`` (its copies read and checked; one process: the wait
+      for them, while earlier leaves are put), ``read_agree`` (the hosts
+      agreeing on bad copies; multi-host) and ``read_place`` (pieces moved
+      between hosts or rebuilt, and the leaves built).
       ``first_touch``: of ``total``, the time spent faulting fresh host
       memory in, a first use's cost (a restore into memory kept from the
       last one, or faulted in ahead, pays none).

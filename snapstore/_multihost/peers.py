@@ -102,12 +102,14 @@ class Solo:
       _rebuild(assembler, lambda leaf, idx: _flat(assembler.piece(leaf, idx)),
                assembler.block, lambda words: words)
       source = assembler.source
-      if source.prefetch_pool is not None:
-        assembler.prefetch(source.prefetch_pool, source.prefetch_workers)
-      timings["read_verify"] = time.perf_counter() - t
-      t = time.perf_counter()
-      leaves = assembler.tree(target_specs, targets)
-      timings["read_place"] = time.perf_counter() - t
+      if source.prefetch_pool is not None:  # host copies: read while others are put
+        leaves = assembler.read_and_place(source.prefetch_pool, source.prefetch_workers,
+                                          target_specs, targets, timings)
+      else:
+        timings["read_verify"] = time.perf_counter() - t
+        t = time.perf_counter()
+        leaves = assembler.tree(target_specs, targets)
+        timings["read_place"] = time.perf_counter() - t
     except BadCopy as e:
       assembler.bad.setdefault(e.key, e)
       leaves = None

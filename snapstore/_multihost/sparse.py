@@ -37,7 +37,7 @@ import msgpack
 import numpy as np
 
 from .. import errors
-from .._assemble import _wanted
+from .._build import wanted_shards
 from .._checksum import ChecksumKind
 from .._index import Index, full, nbytes as index_nbytes
 from .._manifest import Manifest, PieceRecord, PieceTable
@@ -121,7 +121,7 @@ def target_regions(spec: LeafSpec, target: Any) -> list[Index]:
     return []
   if spec.kind is LeafKind.NUMPY or getattr(target, "sharding", None) is None:
     return [full(spec.shape)]
-  return list(dict.fromkeys(idx for _, idx in _wanted(target_sharding(target),
+  return list(dict.fromkeys(idx for _, idx in wanted_shards(target_sharding(target),
                                                       tuple(spec.shape))))
 
 
