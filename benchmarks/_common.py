@@ -147,7 +147,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   shard (what pins it against donation) copied into reused memory, one
   ``np.copyto`` a piece; ``restore_s``, every piece copied back out into
   reused memory and each leaf placed with JAX's batched put (snapstore's
-  ``_assemble._place_host``, what a restore ends in). The copies run on one
+  ``_build.place_host``, what a restore ends in). The copies run on one
   thread or split between two, whichever is faster (two win for big pieces;
   for small ones they only contend for the GIL). No checksums, manifests or
   second copies: with many small pieces what is left is per-piece Python
@@ -157,7 +157,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   import jax
 
   from snapstore._arena import host_arena
-  from snapstore._assemble import _place_host, _wanted
+  from snapstore._build import place_host, wanted_shards
   from snapstore._index import align, nbytes as index_nbytes, shape_of
   from snapstore._tree import leaf_spec, positions
   leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
@@ -166,7 +166,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   at = 0
   for j, x in enumerate(leaves):
     where = positions(x)
-    for device, index in _wanted(x.sharding, tuple(x.shape)):
+    for device, index in wanted_shards(x.sharding, tuple(x.shape)):
       n = index_nbytes(index, x.dtype.itemsize)
       rows.append((j, device, index, where[device.id], at, n))
       at += align(n)  # page-aligned parts: the placed arrays adopt them, as a restore's do
@@ -192,7 +192,7 @@ def piecewise_floor(state: Any, repeats: int = 5) -> dict[str, float]:
     for k, (j, *_) in enumerate(rows):
       by_leaf[j].append(k)
     jax.block_until_ready([
-        _place_host(spec, x.sharding, [rows[k][1:3] for k in ks], [parts[k] for k in ks])
+        place_host(spec, x.sharding, [rows[k][1:3] for k in ks], [parts[k] for k in ks])
         for x, spec, ks in zip(leaves, specs, by_leaf, strict=True)])
 
   with futures.ThreadPoolExecutor(2) as pool:
@@ -220,13 +220,13 @@ def jax_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   import jax
 
   from snapstore._arena import host_arena
-  from snapstore._assemble import _place_host, _wanted
+  from snapstore._build import place_host, wanted_shards
   from snapstore._index import align, nbytes as index_nbytes, shape_of
   from snapstore._tree import leaf_spec
   leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
   specs = [leaf_spec(f"w{i}", x) for i, x in enumerate(leaves)]
   shards = [s.data for x in leaves for s in x.addressable_shards]
-  wanted = [_wanted(x.sharding, tuple(x.shape)) for x in leaves]
+  wanted = [wanted_shards(x.sharding, tuple(x.shape)) for x in leaves]
   total = sum(align(index_nbytes(i, x.dtype.itemsize)) for x, w in zip(leaves, wanted, strict=True)
               for _, i in w)
   arena, at, parts = host_arena(total), 0, []
@@ -239,7 +239,7 @@ def jax_floor(state: Any, repeats: int = 5) -> dict[str, float]:
   arena[:] = 1  # touched, as a restore's copies leave it
 
   def place() -> None:
-    jax.block_until_ready([_place_host(spec, x.sharding, w, p)
+    jax.block_until_ready([place_host(spec, x.sharding, w, p)
                            for x, spec, w, p in zip(leaves, specs, wanted, parts, strict=True)])
 
   hold = lambda: list(map(np.asarray, shards))  # noqa: E731

@@ -102,10 +102,12 @@ class Solo:
       _rebuild(assembler, lambda leaf, idx: _flat(assembler.piece(leaf, idx)),
                assembler.block, lambda words: words)
       source = assembler.source
-      if source.prefetch_pool is not None:  # host copies: read while others are put
+      if source.prefetch_pool is not None and _puts_copy(targets):  # read while others are put
         leaves = assembler.read_and_place(source.prefetch_pool, source.prefetch_workers,
                                           target_specs, targets, timings)
       else:
+        if source.prefetch_pool is not None:
+          assembler.prefetch(source.prefetch_pool, source.prefetch_workers)
         timings["read_verify"] = time.perf_counter() - t
         t = time.perf_counter()
         leaves = assembler.tree(target_specs, targets)
@@ -395,6 +397,20 @@ def _read(assembler: Assembler, keys: Sequence[tuple[int, Index]]) -> None:
   for leaf, idx in dict.fromkeys(keys):
     if not assembler.verified(leaf, idx):
       assembler.check(leaf, idx)
+
+
+def _puts_copy(targets: Sequence[Any]) -> bool:
+  """Whether putting host pieces on the targets' devices copies them (an
+  accelerator), so that reading the next leaves meanwhile gains; a CPU
+  device adopts them, and the prefetch's own split of small pieces
+  between the pool and this thread is then faster."""
+  for t in targets:
+    sharding = getattr(t, "sharding", None)
+    devices: set[jax.Device] = (sharding.device_set
+                                if isinstance(sharding, jax.sharding.Sharding) else set())
+    if any(d.platform != "cpu" for d in devices):
+      return True
+  return False
 
 
 def for_job(host: int, num_hosts: int) -> Solo | Distributed:
