@@ -7,8 +7,9 @@ JSON and writes ``--out``, every figure of one run:
   the same sharding with ``memory_kind="pinned_host"``, what the pinned-host
   store does), ``pinned_host`` -> device (its restore), ``jax.device_get``
   and a host ``memcpy``;
-* ``stores``: for host files and the pinned-host store (its on-device sum,
-  and crc32c on the host): a ``SnapshotManager``'s first save, a warm save
+* ``stores``: for host files and the pinned-host store (on the slices'
+  hosts with its on-device sum, or crc32c on the host; and in this
+  process's memory, staged): a ``SnapshotManager``'s first save, a warm save
   (``save`` to ``wait_until_finished``) and a warm restore onto the device,
   bitwise checked;
 * ``overhead``: a jitted, donating train step of at least ``--step-ms``
@@ -26,11 +27,13 @@ JSON and writes ``--out``, every figure of one run:
 * ``per_step``: for each ``--state-mb`` and ``--step-ms``, a donating step
   with a snapshot every step against none (``--per-step-steps`` a loop,
   ``--rounds`` interleaved rounds, best of each) for each of
-  ``--per-step-stores``: host files with the staging budget at its default
-  and at 64 MiB, the pinned-host store, (``host_files_pinned_put``: the
-  unstaged ``pinned_host`` put); each with its save metrics (bytes staged,
-  bytes copied before ``save`` returned, the stall), host RSS before and
-  after the loops' snapshots, a restore of the last snapshot (bitwise
+  ``--per-step-stores``: host files and the pinned-host store in this
+  process's memory, each with the staging budget at its default and at
+  64 MiB, the pinned-host store on the slices' hosts, (``host_files_pinned_put``:
+  the unstaged ``pinned_host`` put); each with its save metrics (bytes
+  staged, bytes copied before ``save`` returned, the stall), host RSS before
+  and after the loops' snapshots (and over ``--rss-snapshots`` more), a
+  restore of the last snapshot (bitwise
   checked) against a raw ``device_put`` of the same bytes, and, with
   ``link``, the small budget's bound (no snapshot + 1.2 x state bytes over
   the 4 MiB link);
@@ -65,12 +68,17 @@ import numpy as np
 
 from benchmarks._common import cleanup, emit, ram_dir
 
-# name -> (store, the pinned store's checksum: PinnedChecksum's name)
-STORES = {"host_files": ("HOST_FILES", "AUTO"), "pinned_device_sum": ("PINNED_HOST", "DEVICE"),
-          "pinned_crc32c": ("PINNED_HOST", "HOST")}
+# name -> (store, the pinned store's checksum and memory: PinnedChecksum's and
+# PinnedMemory's names)
+STORES = {"host_files": ("HOST_FILES", "AUTO", "AUTO"),
+          "pinned_device_sum": ("PINNED_HOST", "DEVICE", "SLICE_HOSTS"),
+          "pinned_crc32c": ("PINNED_HOST", "HOST", "SLICE_HOSTS"),
+          "pinned_process": ("PINNED_HOST", "HOST", "PROCESS")}
 # per_step: name -> (store, options beyond its own)
 PER_STEP = {"host_files": ("host_files", {}),
             "host_files_budget_64mb": ("host_files", {"staging_budget_bytes": 64 << 20}),
+            "pinned_process": ("pinned_process", {}),
+            "pinned_process_budget_64mb": ("pinned_process", {"staging_budget_bytes": 64 << 20}),
             "pinned_device_sum": ("pinned_device_sum", {}),
             "host_files_pinned_put": ("host_files", {"staging": "NEVER"})}
 LINK_PIECES_MB = (1, 4, 16)
@@ -141,16 +149,22 @@ def manager(kind: str, store_dir: str, **extra: Any):
   import jax
 
   import snapstore
-  store, checksum = STORES[kind]
+  store, checksum, memory = STORES[kind]
   if "staging" in extra:
     extra["staging"] = snapstore.Staging[extra["staging"]]
-  if PIECE_MB and store != "PINNED_HOST":
+  if PIECE_MB and _stages(kind):
     extra.setdefault("staging_piece_bytes", PIECE_MB << 20)
-  value = (snapstore.PinnedHost(checksum=snapstore.PinnedChecksum[checksum])
+  value = (snapstore.PinnedHost(checksum=snapstore.PinnedChecksum[checksum],
+                                memory=snapstore.PinnedMemory[memory])
            if store == "PINNED_HOST" else snapstore.HostFiles(dir=store_dir))
   opts = snapstore.SnapshotOptions(store=value, keep=1, run_id=kind, **extra)
   slices = {0: jax.devices()} if store == "PINNED_HOST" else None
   return snapstore.SnapshotManager(opts, slices=slices)
+
+
+def _stages(kind: str) -> bool:
+  """Whether the store ``kind`` stages (SnapshotOptions.staging applies)."""
+  return STORES[kind][0] == "HOST_FILES" or STORES[kind][2] == "PROCESS"
 
 
 def _abstract(state: Any) -> Any:
@@ -369,10 +383,11 @@ def link(mb: int, repeats: int) -> dict[str, Any]:
 
 def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: int,
              kinds: Sequence[str], link_gbps: float | None,
-             staging: str = "AUTO") -> dict[str, Any]:
+             staging: str = "AUTO", rss_snapshots: int = 0) -> dict[str, Any]:
   """Per-step time with a snapshot every step against none, each of
   ``kinds`` (:data:`PER_STEP`), with its save metrics, host RSS, and a
-  restore against a raw ``device_put`` of the same bytes."""
+  restore against a raw ``device_put`` of the same bytes; then host RSS
+  over ``rss_snapshots`` more saves, one a step."""
   import jax
   state = make_state(state_mb)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
@@ -383,7 +398,7 @@ def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: in
 
   for name in kinds:
     kind, extra = PER_STEP[name]
-    if STORES[kind][0] == "HOST_FILES":
+    if _stages(kind):
       extra = {"staging": staging, **extra}
     d = ram_dir("snapstore-dc-")
     try:
@@ -417,6 +432,11 @@ def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: in
                     "restore_over_raw_h2d": round(raw / restore_s, 4),
                     "restored_step": r.step, "bitwise_equal": _equal(r.state, expected)})
         del r
+        if rss_snapshots:  # the same slots and arenas, written again and again
+          before = _rss_mb()
+          run.run(rss_snapshots, mgr)
+          row.update({"rss_loop_snapshots": rss_snapshots, "rss_loop_mb_before": before,
+                      "rss_loop_mb_after": _rss_mb()})
       out[name] = row
     finally:
       cleanup(d)
@@ -572,7 +592,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="per_step: host files' SnapshotOptions.staging where a store does not "
                       "set it (ALWAYS: the staged path on CPU devices, with --cpu)")
   p.add_argument("--per-step-stores", nargs="+", choices=list(PER_STEP),
-                 default=["host_files", "host_files_budget_64mb", "pinned_device_sum"])
+                 default=["host_files", "host_files_budget_64mb", "pinned_process",
+                          "pinned_process_budget_64mb"])
+  p.add_argument("--rss-snapshots", type=int, default=0,
+                 help="per_step: host RSS over this many more saves, one a step (e.g. 200)")
   p.add_argument("--intervals", type=int, nargs="+", default=[1, 3, 10])
   p.add_argument("--steps", type=int, default=30, help="a loop's steps (overhead)")
   p.add_argument("--stores", nargs="+", choices=list(STORES), default=list(STORES),
@@ -644,7 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out["per_step"] = {}
     for mb, ms in cases:
       out["per_step"][f"{mb}mb_{ms:g}ms"] = per_step(
-          mb, ms, a.per_step_steps, a.rounds, a.repeats, a.per_step_stores, gbps, a.staging)
+          mb, ms, a.per_step_steps, a.rounds, a.repeats, a.per_step_stores, gbps, a.staging,
+          a.rss_snapshots)
       done(f"per_step {mb} MiB {ms:g} ms")
   if "model" in a.sections:
     dim, layers, vocab, seq, batch = a.model
