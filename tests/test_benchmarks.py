@@ -63,7 +63,9 @@ def test_device_check_runs_every_section_on_cpu_devices_bitwise(tmp_path):
   result = _run(device_check, ["--cpu", "--mb", "8", "--state-mb", "8", "--step-ms", "1",
                                "--steps", "2", "--rounds", "1", "--intervals", "1",
                                "--repeats", "1", "--stores", "pinned_device_sum",
-                               "--per-step-steps", "2", "--staging", "ALWAYS"],
+                               "--per-step-steps", "2", "--staging", "ALWAYS",
+                               "--per-step-stores", *device_check.PER_STEP,
+                               "--rss-snapshots", "2"],
                 tmp_path / "device_check.json")
   for kind in device_check.STORES:
     assert result["stores"][kind]["bitwise_equal"] and result["stores"][kind]["restored_step"] == 1
@@ -73,12 +75,13 @@ def test_device_check_runs_every_section_on_cpu_devices_bitwise(tmp_path):
   assert list(result["overhead"]) == ["state_mb", "iters", "steps_a_loop", "pinned_device_sum"]
   _positive(*(result["link"][f"{k}_{mb}mb_pieces_gbps"] for k in ("d2h", "h2d") for mb in (1, 4)))
   (row,) = result["per_step"].values()
-  for name in ("host_files", "host_files_budget_64mb", "pinned_device_sum"):
+  for name in device_check.PER_STEP:
     r = row[name]
-    assert r["bitwise_equal"] and r["snapshots"] == 2, r
+    assert r["bitwise_equal"] and r["snapshots"] == 2 and r["rss_loop_snapshots"] == 2, r
     _positive(r["step_ms_none"], r["step_ms_every_1"], r["restore_s"], r["raw_h2d_s"],
-              r["rss_mb_after"], r["small_budget_bound_ms"])
-  for name in ("host_files", "host_files_budget_64mb"):  # --staging ALWAYS: staged on CPU
+              r["rss_mb_after"], r["small_budget_bound_ms"], r["rss_loop_mb_after"])
+  for name in ("host_files", "host_files_budget_64mb", "pinned_process",
+               "pinned_process_budget_64mb"):  # --staging ALWAYS: staged on CPU
     assert row[name]["staged_bytes"] == 8 << 20, row[name]
 
 
