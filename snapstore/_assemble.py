@@ -234,6 +234,7 @@ class Assembler:
                           for got in self._fetch_item(item, out)]
     out: list[Any] = [None] * len(targets)
     pending = [pool.submit(fetch, task) for task in tasks[0]]
+    later: list[futures.Future[Any]] = []
     try:
       for g, group in enumerate(groups):
         t = time.perf_counter()
@@ -242,14 +243,14 @@ class Assembler:
         for f in pending:
           for key, one in f.result():
             self._keep(key, *one)
-        pending = later
+        pending, later = later, []
         timings["read_verify"] = timings.get("read_verify", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
         for i, _ in group:
           out[i] = self.leaf(by_path[target_specs[i].path], target_specs[i], targets[i])
         timings["read_place"] = timings.get("read_place", 0.0) + time.perf_counter() - t
     finally:
-      futures.wait(pending)  # (a piece that raised: no task writes the arena after)
+      futures.wait(pending + later)  # (a piece that raised: no task runs on after it)
     return out
 
   def _reads(self, leaf: int, target_spec: LeafSpec, target: Any) -> list[tuple[int, Index]]:

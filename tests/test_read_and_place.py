@@ -64,3 +64,11 @@ def test_the_first_leaf_is_placed_before_the_last_is_read(store_dir, monkeypatch
   assert got.step == 3
   assert_bitwise_equal(host_copy(state(3)), got.state)
   assert {"read_verify", "read_place"} <= set(got.timings)
+
+
+def test_only_targets_on_accelerators_overlap():
+  """CPU devices adopt the host pieces on a put: there the restore reads
+  all, then places (faster for many small leaves); so do host targets."""
+  targets = list(abstract().values())
+  assert not peers._puts_copy(targets)
+  assert not peers._puts_copy([np.zeros(4), 3, jax.ShapeDtypeStruct((4,), jnp.float32)])

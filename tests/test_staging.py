@@ -310,3 +310,44 @@ def test_the_pinned_store_keeps_the_bytes_where_its_memory_option_says():
     snapstore.PinnedHost(memory=PM.PROCESS, checksum=PC.DEVICE)
   with pytest.raises(snapstore.InvalidOptionError, match="memory"):
     snapstore.PinnedHost(memory="process")
+
+
+def test_a_leaf_already_in_pinned_host_memory_is_copied_not_read_in_place(monkeypatch):
+  """Off CPU a leaf held in pinned_host memory (host-offloaded optimizer
+  state) is read from a copy of its own: the drain never reads a buffer
+  that the next step may donate or the caller delete (CPU devices told
+  they are not CPUs, as the capture sees an accelerator)."""
+  from snapstore._tree import flatten
+  monkeypatch.setattr(staging, "_on_cpu", lambda sharding: False)
+  mesh = jax.make_mesh((8,), ("d",))
+  leaf = jax.device_put(jnp.arange(1024, dtype=jnp.float32),
+                        NamedSharding(mesh, P("d"), memory_kind="pinned_host"))
+  specs, leaves, _ = flatten({"off": leaf})
+  (_, read, how), = staging.staged(specs, leaves, snapstore.Staging.AUTO).values()
+  assert how is staging.Read.PINNED
+  ours = {s.device: s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards}
+  assert all(s.data.unsafe_buffer_pointer() != ours[s.device] for s in read.addressable_shards)
+  expected = np.asarray(leaf)
+  leaf.delete()
+  np.testing.assert_array_equal(np.asarray(read), expected)
+
+
+def test_a_failed_staging_evicts_nothing(store_dir, monkeypatch):
+  """The pinned store stages before it reserves a slot (which may evict):
+  staging that raises leaves every snapshot the store held."""
+  devices = jax.devices()
+  state = make_state()
+  with snapstore.SnapshotManager(staged_opts(store_dir, keep=1),
+                                 slices={0: devices[:4], 1: devices[4:]}) as mgr:
+    for s in (1, 2):
+      mgr.save(s, make_state(s))
+      mgr.wait_until_finished()
+    held = mgr.snapshot_steps()
+
+    def fail(self, shards):
+      raise RuntimeError("staging failed")
+    monkeypatch.setattr(staging.Stager, "stage", fail)
+    with pytest.raises(Exception, match="staging failed"):
+      mgr.save(3, state)
+      mgr.wait_until_finished()
+    assert mgr.snapshot_steps() == held

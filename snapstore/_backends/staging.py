@@ -316,7 +316,10 @@ def staged(specs: Sequence[LeafSpec], leaves: Sequence[Any], staging: Staging = 
         moves.append(i)
   if moves:
     raws = [out[i][0] for i in moves]
-    pinned = jax.device_put(raws, [r.sharding.with_memory_kind("pinned_host") for r in raws])
+    # (may_alias=False: a leaf already in pinned_host memory is copied, not
+    # handed back, so the drain never reads a buffer the next step may donate)
+    pinned = jax.device_put(raws, [r.sharding.with_memory_kind("pinned_host") for r in raws],
+                            may_alias=False)
     for i, arr in zip(moves, pinned, strict=True):
       out[i] = (out[i][0], arr, Read.PINNED)
   return out

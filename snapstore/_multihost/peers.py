@@ -103,6 +103,7 @@ class Solo:
                assembler.block, lambda words: words)
       source = assembler.source
       if source.prefetch_pool is not None and _puts_copy(targets):  # read while others are put
+        timings["read_verify"] = time.perf_counter() - t  # (the rebuild; the waits add)
         leaves = assembler.read_and_place(source.prefetch_pool, source.prefetch_workers,
                                           target_specs, targets, timings)
       else:
@@ -405,11 +406,10 @@ def _puts_copy(targets: Sequence[Any]) -> bool:
   device adopts them, and the prefetch's own split of small pieces
   between the pool and this thread is then faster."""
   for t in targets:
-    sharding = getattr(t, "sharding", None)
-    devices: set[jax.Device] = (sharding.device_set
-                                if isinstance(sharding, jax.sharding.Sharding) else set())
-    if any(d.platform != "cpu" for d in devices):
-      return True
+    if isinstance(t, jax.Array | jax.ShapeDtypeStruct):  # (host targets: numpy, scalars)
+      devices: set[jax.Device] = target_sharding(t).device_set
+      if any(d.platform != "cpu" for d in devices):
+        return True
   return False
 
 

@@ -145,6 +145,11 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
                                   later=later)
   length = (_place_parity(cap, ring, stripes, protect)
             if protect and stripes is not None else 0)
+  if later and stager is not None:  # before before_dispatch (it evicts): a failure keeps all
+    got, cap.staged = stager.stage(later)
+    for job in cap.host.values():
+      job.capture.sources = [got[x.k] if isinstance(x, Later) else x
+                             for x in job.capture.sources]
   before_dispatch({d: cap.nbytes(d) for d in ring.order})
   slot = ({} if host and not protect else
           {(p.leaf, p.index, d): n for d, ps in cap.pieces.items()
@@ -153,11 +158,6 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   if protect and stripes is not None:
     _dispatch_parity(cap, ring, stripes, protect, length, slot, step=step,
                      chunk_bytes=chunk_bytes)
-  if later and stager is not None:  # (after before_dispatch: it may raise, or evict)
-    got, cap.staged = stager.stage(later)
-    for job in cap.host.values():
-      job.capture.sources = [got[x.k] if isinstance(x, Later) else x
-                             for x in job.capture.sources]
   return cap
 
 
