@@ -351,3 +351,29 @@ def test_a_failed_staging_evicts_nothing(store_dir, monkeypatch):
       mgr.save(3, state)
       mgr.wait_until_finished()
     assert mgr.snapshot_steps() == held
+
+
+@pytest.mark.parametrize("how", ["process_pinned_put", "slice_hosts_crc32c"])
+def test_the_pinned_stores_other_reads_restore_bitwise(store_dir, monkeypatch, how):
+  """PROCESS with ``Staging.NEVER`` off CPU (each leaf's pinned_host copy,
+  read by the drain into slot memory), and SLICE_HOSTS checked by crc32c:
+  a donating step right after save changes no snapshot."""
+  devices = jax.devices()
+  memory = snapstore.PinnedMemory.SLICE_HOSTS
+  extra = {}
+  if how == "process_pinned_put":
+    monkeypatch.setattr(staging, "_on_cpu", lambda sharding: False)
+    memory, extra = snapstore.PinnedMemory.PROCESS, {"staging": snapstore.Staging.NEVER}
+  store = snapstore.PinnedHost(memory=memory, checksum=snapstore.PinnedChecksum.HOST)
+  state = make_state()
+  expected = host_copy(state)
+  with snapstore.SnapshotManager(snapstore.SnapshotOptions(store=store, keep=1, **extra),
+                                 slices={0: devices[:4], 1: devices[4:]}) as mgr:
+    assert mgr._backend.memory is memory
+    mgr.save(1, state)
+    state = donating_step()(state)
+    assert mgr.metrics.staged_bytes == 0
+    mgr.wait_until_finished()
+    got = mgr.restore(abstract(make_state()))
+  assert got.step == 1
+  assert_bitwise_equal(expected, got.state)
