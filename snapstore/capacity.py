@@ -23,7 +23,7 @@ from ._index import nbytes as index_nbytes, normalize
 from ._placement import host_domains
 from .options import Parity, Redundancy, Replicas
 
-__all__ = ["DEFAULT_OPTIONS", "HostBytes", "from_size", "from_state", "label"]
+__all__ = ["DEFAULT_OPTIONS", "HostBytes", "from_size", "from_state", "label", "staging_hbm"]
 
 
 def label(option: Redundancy) -> str:
@@ -65,6 +65,18 @@ class HostBytes:
 
   def as_dict(self) -> dict[str, Any]:
     return {**dataclasses.asdict(self), "total": self.total}
+
+
+def staging_hbm(own: int, devices_per_host: int, budget_bytes: int | None = None) -> int:
+  """Device memory (HBM) per device that a save stages on an accelerator
+  (``SnapshotOptions.staging``): a device's share of its host's own bytes
+  per snapshot, at most ``budget_bytes`` (``staging_budget_bytes``; what
+  does not fit is copied to host before ``save`` returns, at the link's
+  speed). The default budget is the device's free memory at its peak."""
+  if devices_per_host < 1:
+    raise ValueError(f"devices_per_host must be >= 1, got {devices_per_host}")
+  share = math.ceil(own / devices_per_host)
+  return share if budget_bytes is None else min(share, budget_bytes)
 
 
 def _host_bytes(own: int, unprotected: int, *, keep: int, domains: int,

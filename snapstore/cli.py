@@ -40,17 +40,19 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _capacity(args: argparse.Namespace) -> int:
-  from .capacity import from_size
+  from .capacity import from_size, staging_hbm
   state = int(args.params * args.bytes_per_param)
   try:
     needs = from_size(state, hosts=args.hosts, hosts_per_domain=args.hosts_per_domain,
                       data_parallel=args.data_parallel, keep=args.keep)
+    hbm = staging_hbm(needs[0].own, args.chips_per_host)
   except ValueError as e:
     print(f"snapstore capacity: {e}", file=sys.stderr)
     return 2
   if args.json:
     print(json.dumps({"state_bytes": state, "hosts": args.hosts, "keep": args.keep,
-                      "ram_bytes": int(args.ram_gb * 1e9),
+                      "ram_bytes": int(args.ram_gb * 1e9), "chips_per_host": args.chips_per_host,
+                      "staging_hbm_bytes_per_chip": hbm,
                       "options": [p.as_dict() for p in needs]}, indent=2))
     return 0
   gb = lambda n: f"{n / 1e9:,.2f}"  # noqa: E731
@@ -64,6 +66,9 @@ def _capacity(args: argparse.Namespace) -> int:
                f"), keep={args.keep}; GB per host",
                ["redundancy", "own/snapshot", "extra/snapshot", "snapshots held",
                 "total", f"of {args.ram_gb:g} GB RAM"], rows))
+  print(f"HBM a save stages on each of {args.chips_per_host} chips a host: {gb(hbm)} GB (with "
+        "less free HBM, or a smaller staging_budget_bytes, the rest is copied to host before "
+        "save returns, at the link's speed)")
   return 0
 
 
@@ -206,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "need no extra bytes)")
   pl.add_argument("--keep", type=int, default=2)
   pl.add_argument("--ram-gb", type=float, default=448.0, help="host RAM (TPU v5p: 448)")
+  pl.add_argument("--chips-per-host", type=int, default=4,
+                  help="accelerators a host (TPU v5p: 4; v5e: 1, 4 or 8): the HBM a save stages")
   pl.add_argument("--json", action="store_true")
   pl.set_defaults(fn=_capacity)
   b = sub.add_parser("bench", help="run benchmarks/NAME.py (from the repository root)")

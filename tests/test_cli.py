@@ -83,6 +83,13 @@ def test_capacity_reports_each_redundancy_option_per_host(capsys):
   assert own == -(-int(1e11 * 14) // 1024) and by["replicas=0"]["extra"] == 0
   assert by["replicas=1"]["extra"] == own and by["parity k=3"]["extra"] == -(-own // 3)
   assert by["parity k=7"]["snapshots"] == 3  # keep=2, and the one being written
+  assert out["staging_hbm_bytes_per_chip"] == -(-own // 4)  # a chip's share, 4 a host
+
+
+def test_capacity_says_the_hbm_a_save_stages(capsys):
+  assert cli.main(["capacity", "--params", "1e9", "--hosts", "8", "--chips-per-host", "8"]) == 0
+  assert "HBM a save stages on each of 8 chips a host: 0.22 GB" in capsys.readouterr().out
+  assert cli.main(["capacity", "--params", "1e9", "--hosts", "8", "--chips-per-host", "0"]) == 2
 
 
 def test_capacity_refuses_hosts_that_do_not_split_into_domains(capsys):
