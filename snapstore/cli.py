@@ -142,6 +142,27 @@ def _launch(args: argparse.Namespace) -> int:
   return 0
 
 
+def _add_capacity(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+  """The ``capacity`` command's arguments."""
+  pl = sub.add_parser("capacity", help="host RAM per redundancy option (replicas, parity) "
+                      "for a state of a given size, before a run")
+  pl.add_argument("--params", type=float, required=True, help="parameters, e.g. 175e9")
+  pl.add_argument("--bytes-per-param", type=float, default=14.0,
+                  help="train-state bytes per parameter (bf16 params + fp32 master and "
+                  "two Adam moments: 14)")
+  pl.add_argument("--hosts", type=int, required=True)
+  pl.add_argument("--hosts-per-domain", type=int, default=1)
+  pl.add_argument("--data-parallel", type=int, default=1,
+                  help="full copies of the state across failure domains (their pieces "
+                  "need no extra bytes)")
+  pl.add_argument("--keep", type=int, default=2)
+  pl.add_argument("--ram-gb", type=float, default=448.0, help="host RAM (TPU v5p: 448)")
+  pl.add_argument("--chips-per-host", type=int, default=4,
+                  help="accelerators a host (TPU v5p: 4; v5e: 1, 4 or 8): the HBM a save stages")
+  pl.add_argument("--json", action="store_true")
+  pl.set_defaults(fn=_capacity)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(
       prog="snapstore", description="Per-step in-RAM snapshots of JAX train state.")
@@ -198,23 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   la.add_argument("--json", default=None, help="write the incarnation report here")
   la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
   la.set_defaults(fn=_launch)
-  pl = sub.add_parser("capacity", help="host RAM per redundancy option (replicas, parity) "
-                      "for a state of a given size, before a run")
-  pl.add_argument("--params", type=float, required=True, help="parameters, e.g. 175e9")
-  pl.add_argument("--bytes-per-param", type=float, default=14.0,
-                  help="train-state bytes per parameter (bf16 params + fp32 master and "
-                  "two Adam moments: 14)")
-  pl.add_argument("--hosts", type=int, required=True)
-  pl.add_argument("--hosts-per-domain", type=int, default=1)
-  pl.add_argument("--data-parallel", type=int, default=1,
-                  help="full copies of the state across failure domains (their pieces "
-                  "need no extra bytes)")
-  pl.add_argument("--keep", type=int, default=2)
-  pl.add_argument("--ram-gb", type=float, default=448.0, help="host RAM (TPU v5p: 448)")
-  pl.add_argument("--chips-per-host", type=int, default=4,
-                  help="accelerators a host (TPU v5p: 4; v5e: 1, 4 or 8): the HBM a save stages")
-  pl.add_argument("--json", action="store_true")
-  pl.set_defaults(fn=_capacity)
+  _add_capacity(sub)
   b = sub.add_parser("bench", help="run benchmarks/NAME.py (from the repository root)")
   b.add_argument("name")
   b.add_argument("rest", nargs=argparse.REMAINDER)
