@@ -196,20 +196,30 @@ class Assembler:
 
   def read_and_place(self, pool: futures.Executor, workers: int,
                      target_specs: Sequence[LeafSpec], targets: Sequence[Any],
-                     timings: dict[str, float]) -> list[Any]:
+                     timings: dict[str, float], *, place: Sequence[bool] | None = None,
+                     extra: Iterable[tuple[int, Index]] = ()) -> list[Any]:
     """:meth:`prefetch`, then :meth:`tree`, overlapped: the targets' leaves
     in groups of about an eighth of their bytes, in order; while one
     group's leaves are put on their devices, the pool reads and verifies
     the next group's pieces (a host-to-device copy and the verifying copy
     each take the whole restore's time otherwise, one after the other).
-    One arena for every piece, as :meth:`prefetch` takes. ``timings``
-    gets ``read_verify`` (waiting for pieces) and ``read_place``."""
+    One arena for every piece, as :meth:`prefetch` takes. ``place[i]``
+    False: target ``i``'s pieces are read, its leaf left None (built
+    later, e.g. from pieces other hosts send); with ``place``, a leaf
+    without a good copy of a piece is left None too (recorded in
+    :attr:`bad`) instead of raising. ``extra``: more pieces to read, last.
+    ``timings`` gets ``read_verify`` (waiting for pieces) and
+    ``read_place``."""
     by_path = {s.path: i for i, s in enumerate(self.plan.specs)}
     held = {s for s in self.plan.stores if self.source.holds(s)}
     groups: list[list[tuple[int, list[tuple[Item, int]]]]] = [[]]  # (target, its items)
     sizes = [0]
-    per = [(i, self._items(self._reads(by_path[t.path], t, tgt), held))
-           for i, (t, tgt) in enumerate(zip(target_specs, targets, strict=True))]
+    keys = [self._reads(by_path[t.path], t, tgt) for t, tgt in zip(target_specs, targets,
+                                                                    strict=True)]
+    listed = {k for ks in keys for k in ks}
+    per = [(i, self._items(ks, held)) for i, ks in enumerate(keys)]
+    per.append((-1, self._items(dict.fromkeys(k for k in extra if k not in listed
+                                              and k in self.plan.copies), held)))
     total = sum(n for _, items in per for _, n in items)
     for i, items in per:
       if sizes[-1] and sizes[-1] + sum(n for _, n in items) > max(total // 8, GROUP_BYTES):
@@ -247,7 +257,14 @@ class Assembler:
         timings["read_verify"] = timings.get("read_verify", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
         for i, _ in group:
-          out[i] = self.leaf(by_path[target_specs[i].path], target_specs[i], targets[i])
+          if i < 0 or (place is not None and not place[i]):
+            continue
+          try:
+            out[i] = self.leaf(by_path[target_specs[i].path], target_specs[i], targets[i])
+          except BadCopy as e:
+            if place is None:
+              raise
+            self.bad.setdefault(e.key, e)  # (left None: the caller builds it, and says so)
         timings["read_place"] = timings.get("read_place", 0.0) + time.perf_counter() - t
     finally:
       futures.wait(pending + later)  # (a piece that raised: no task runs on after it)
@@ -259,8 +276,9 @@ class Assembler:
     spec = self.plan.specs[leaf]
     if spec.kind is LeafKind.SCALAR:
       return []
-    return (self.local_pieces(leaf, target_spec, target)
-            or [(leaf, idx) for idx in self.plan.leaf_copies(leaf)])
+    copies = self.plan.copies
+    return [k for k in (self.local_pieces(leaf, target_spec, target)
+                        or [(leaf, idx) for idx in self.plan.leaf_copies(leaf)]) if k in copies]
 
   def _items(self, keys: Iterable[tuple[int, Index]], held: set[int]
              ) -> list[tuple[Item, int]]:

@@ -41,11 +41,12 @@ class Job:
     self.store = Path("/dev/shm") / f"snapstore-mh-{uuid.uuid4().hex[:8]}"
     self.cache_dir = cache_dir
 
-  def run(self, kills=(), *, args=(), steps=STEPS, worker_env=(), **kw):
+  def run(self, kills=(), *, args=(), steps=STEPS, worker_env=(),
+          module="snapstore.demo.worker", **kw):
     env = {"JAX_COMPILATION_CACHE_DIR": str(self.cache_dir),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **dict(worker_env)}
     try:  # (a batch of 24: every data-parallel degree of 1-4 hosts x 2 devices divides it)
-      self.incs = launch("snapstore.demo.worker",
+      self.incs = launch(module,
                          ["--steps", str(steps), "--out", str(self.out), "--store",
                           str(self.store), "--batch", "24", *args],
                          num_hosts=HOSTS, devices_per_host=2, store_dir=self.store,
@@ -99,6 +100,24 @@ def test_killed_hosts_replaced_with_empty_stores_restore_from_replicas(
   assert r["rewind_steps"] <= 1
   assert job.incs[-1].restore["step"] == r["step"]  # the supervisor's report
   assert r["bytes_read"]["exchanged"] > 0  # the lost hosts' shards came over the wire
+
+
+def test_overlapped_restore_puts_own_leaves_early_and_waits_for_received_ones(
+    reference, tmp_path, cache_dir):
+  """The restore as on accelerators (tests/_overlap_worker.py): host 1 dies
+  with its store; every host reads and puts the leaves whose pieces it
+  holds while it reads the rest, the replacement puts its leaves only once
+  its peers sent them; the resumed job is bitwise the reference."""
+  kill_step = random.Random(99).randint(4, STEPS - 1)
+  job = Job(tmp_path, cache_dir, "overlap").run(
+      [Kill(host=1, step=kill_step, lose_store=True)], module="tests._overlap_worker",
+      args=["--hosts-per-domain", "1", "--replicas", "1"])
+  assert job.incs[-1].ok
+  check_resumed(job.report, reference, lo=kill_step - 1, hi=kill_step)
+  notes = {h: (job.out / f"overlap-host{h}.txt").read_text().split() for h in range(HOSTS)}
+  early = {h: int(n[-3]) for h, n in notes.items()}  # the last restore's "E of N"
+  assert early[1] == 0, notes  # the replacement holds nothing: all its leaves wait
+  assert all(early[h] > 0 for h in (0, 2, 3)), notes
 
 
 def test_eight_hosts_only_the_replacement_receives_state_and_no_manifest_moves(tmp_path,

@@ -212,9 +212,17 @@ class Distributed:
                        or [(by_path[spec.path], idx)  # (host arrays: every piece)
                            for idx in plan.leaf_copies(by_path[spec.path])])
              if any(c.store == self.host for c in plan.copies.get(k, ()))]
-    reads += moves.reads(got, target_specs, self.host)
-    _read(assembler, reads)
-    out.timings["read_verify"] = time.perf_counter() - t
+    sends = moves.reads(got, target_specs, self.host)
+    early: list[Any] | None = None  # leaves put while later pieces are read
+    overlap: dict[str, float] = {}
+    if source.prefetch_pool is not None and _puts_copy(targets):
+      early = assembler.read_and_place(
+          source.prefetch_pool, source.prefetch_workers, target_specs, targets, overlap,
+          place=_all_here(assembler, plan, target_specs, targets, self.host), extra=sends)
+    else:
+      _read(assembler, reads + sends)
+    placing = overlap.get("read_place", 0.0)
+    out.timings["read_verify"] = time.perf_counter() - t - placing
     t = time.perf_counter()
     _faults.point("restore", got.candidate.step)
     received = moves.move(coll, got, assembler, target_specs, mine)
@@ -224,12 +232,14 @@ class Distributed:
       return found
     t = time.perf_counter()
     try:
-      leaves = assembler.tree(target_specs, targets)
+      leaves = (assembler.tree(target_specs, targets) if early is None else
+                [x if x is not None else assembler.leaf(by_path[spec.path], spec, target)
+                 for x, spec, target in zip(early, target_specs, targets, strict=True)])
     except BadCopy as e:  # (a copy read only now: agreed below, like the others)
       assembler.bad.setdefault(e.key, e)
       leaves = None
     found = moves.gather_bad(coll, assembler.bad)
-    out.timings["read_place"] = time.perf_counter() - t
+    out.timings["read_place"] = placing + time.perf_counter() - t
     if found:
       return found
     out.leaves = leaves
@@ -398,6 +408,19 @@ def _read(assembler: Assembler, keys: Sequence[tuple[int, Index]]) -> None:
   for leaf, idx in dict.fromkeys(keys):
     if not assembler.verified(leaf, idx):
       assembler.check(leaf, idx)
+
+
+def _all_here(assembler: Assembler, plan: Any, target_specs: Sequence[LeafSpec],
+              targets: Sequence[Any], host: int) -> list[bool]:
+  """Per target, whether this host holds a copy of every piece its shards
+  here read (so its leaf can be put before other hosts send theirs)."""
+  by_path = {s.path: i for i, s in enumerate(plan.specs)}
+  out = []
+  for spec, target in zip(target_specs, targets, strict=True):
+    keys = assembler.local_pieces(by_path[spec.path], spec, target)
+    out.append(bool(keys) and all(any(c.store == host for c in plan.copies.get(k, ()))
+                                  for k in keys))
+  return out
 
 
 def _puts_copy(targets: Sequence[Any]) -> bool:
