@@ -206,8 +206,7 @@ class Assembler:
     One arena for every piece, as :meth:`prefetch` takes. ``place[i]``
     False: target ``i``'s pieces are read, its leaf left None (built
     later, e.g. from pieces other hosts send); with ``place``, a leaf
-    without a good copy of a piece is left None too (recorded in
-    :attr:`bad`) instead of raising. ``extra``: more pieces to read, last.
+    whose build raises is left None too, not raised. ``extra``: more pieces to read, last.
     ``timings`` gets ``read_verify`` (waiting for pieces) and
     ``read_place``."""
     by_path = {s.path: i for i, s in enumerate(self.plan.specs)}
@@ -261,10 +260,11 @@ class Assembler:
             continue
           try:
             out[i] = self.leaf(by_path[target_specs[i].path], target_specs[i], targets[i])
-          except BadCopy as e:
+          except Exception:
             if place is None:
               raise
-            self.bad.setdefault(e.key, e)  # (left None: the caller builds it, and says so)
+            # (left None: the caller builds it again where a failure is agreed on;
+            # several hosts must all reach their collectives first)
         timings["read_place"] = timings.get("read_place", 0.0) + time.perf_counter() - t
     finally:
       futures.wait(pending + later)  # (a piece that raised: no task runs on after it)

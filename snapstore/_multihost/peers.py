@@ -207,11 +207,6 @@ class Distributed:
     plan = moves.local_plan(got, mine, self.host, bad)
     assembler = Assembler(plan, source, arenas=arenas)
     by_path = {s.path: i for i, s in enumerate(plan.specs)}
-    reads = [k for spec, target in zip(target_specs, targets, strict=True)
-             for k in (assembler.local_pieces(by_path[spec.path], spec, target)
-                       or [(by_path[spec.path], idx)  # (host arrays: every piece)
-                           for idx in plan.leaf_copies(by_path[spec.path])])
-             if any(c.store == self.host for c in plan.copies.get(k, ()))]
     sends = moves.reads(got, target_specs, self.host)
     early: list[Any] | None = None  # leaves put while later pieces are read
     overlap: dict[str, float] = {}
@@ -220,6 +215,11 @@ class Distributed:
           source.prefetch_pool, source.prefetch_workers, target_specs, targets, overlap,
           place=_all_here(assembler, plan, target_specs, targets, self.host), extra=sends)
     else:
+      reads = [k for spec, target in zip(target_specs, targets, strict=True)
+               for k in (assembler.local_pieces(by_path[spec.path], spec, target)
+                         or [(by_path[spec.path], idx)  # (host arrays: every piece)
+                             for idx in plan.leaf_copies(by_path[spec.path])])
+               if any(c.store == self.host for c in plan.copies.get(k, ()))]
       _read(assembler, reads + sends)
     placing = overlap.get("read_place", 0.0)
     out.timings["read_verify"] = time.perf_counter() - t - placing
