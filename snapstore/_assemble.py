@@ -168,21 +168,8 @@ class Assembler:
     items = self._items(self.plan.copies if keys is None else keys, held)
     if not items:  # (nothing held here: no arena taken, the kept one stays)
       return
-    # One arena for every piece (the restored arrays adopt parts of it),
-    # reused from the last restore when nothing uses it any more (._arena);
-    # fresh, it is first touched by the copy that fills it, on every core
-    # (one buffer a piece would pay an allocation and fresh pages for each).
-    total = sum(align(n) for _, n in items)
-    arena = self.arenas.take(total) if self.arenas is not None else host_arena(total)
-    task_bytes = max(PREFETCH_TASK_BYTES, -(-total // (2 * max(workers, 1))))
-    placed: list[tuple[Item, np.ndarray]] = []
-    at = 0
-    for item, n in items:
-      placed.append((item, arena[at:at + n]))
-      at += align(n)
-    tasks = filled(placed, [n for _, n in items], task_bytes)
-    fetch = lambda task: [got for item, out in task  # noqa: E731
-                          for got in self._fetch_item(item, out)]
+    (tasks,) = self._tasks([items], workers)
+    fetch = self._fetch_task
     # Tasks of small pieces one at a time run here, while the pool copies
     # the big ones and the runs (see ``_checksum.SMALL_BYTES``).
     def small(task: list[tuple[Item, np.ndarray]]) -> bool:
@@ -193,6 +180,34 @@ class Assembler:
     for got in [*done, *pending]:
       for key, one in got:
         self._keep(key, *one)
+
+  def _tasks(self, groups: Sequence[Sequence[tuple[Item, int]]], workers: int
+             ) -> list[list[list[tuple[Item, np.ndarray]]]]:
+    """Each group's items as fetch tasks, each item with its place in one
+    arena for every piece (the restored arrays adopt parts of it), reused
+    from the last restore when nothing uses it any more (._arena); fresh,
+    it is first touched by the copy that fills it, on every core (one
+    buffer a piece would pay an allocation and fresh pages for each). A
+    task is a share of its group: two a worker, at least
+    PREFETCH_TASK_BYTES."""
+    need = sum(align(n) for items in groups for _, n in items)
+    arena = (np.empty(0, np.uint8) if not need else  # (nothing here: the kept arena stays)
+             self.arenas.take(need) if self.arenas is not None else host_arena(need))
+    at = 0
+    out = []
+    for items in groups:
+      placed = []
+      for item, n in items:
+        placed.append((item, arena[at:at + n]))
+        at += align(n)
+      size = sum(n for _, n in items)
+      out.append(filled(placed, [n for _, n in items],
+                        max(PREFETCH_TASK_BYTES, -(-size // (2 * max(workers, 1))))))
+    return out
+
+  def _fetch_task(self, task: Sequence[tuple[Item, np.ndarray]]
+                  ) -> list[tuple[tuple[int, Index], tuple[Stored | None, list[BadCopy], int]]]:
+    return [got for item, out in task for got in self._fetch_item(item, out)]
 
   def read_and_place(self, pool: futures.Executor, workers: int,
                      target_specs: Sequence[LeafSpec], targets: Sequence[Any],
@@ -226,21 +241,9 @@ class Assembler:
         sizes.append(0)
       groups[-1].append((i, items))
       sizes[-1] += sum(n for _, n in items)
-    need = sum(align(n) for _, items in per for _, n in items)
-    arena = (np.empty(0, np.uint8) if not need else  # (nothing here: the kept arena stays)
-             self.arenas.take(need) if self.arenas is not None else host_arena(need))
-    at = 0
-    tasks: list[list[list[tuple[Item, np.ndarray]]]] = []
-    for group, size in zip(groups, sizes, strict=True):
-      placed = []
-      for _, items in group:
-        for item, n in items:
-          placed.append((item, arena[at:at + n]))
-          at += align(n)
-      tasks.append(filled(placed, [out.nbytes for _, out in placed],
-                          max(PREFETCH_TASK_BYTES, -(-size // (2 * max(workers, 1))))))
-    fetch = lambda task: [got for item, out in task  # noqa: E731
-                          for got in self._fetch_item(item, out)]
+    tasks = self._tasks([[it for _, items in group for it in items] for group in groups],
+                        workers)
+    fetch = self._fetch_task
     out: list[Any] = [None] * len(targets)
     pending = [pool.submit(fetch, task) for task in tasks[0]]
     later: list[futures.Future[Any]] = []
