@@ -12,7 +12,8 @@ steps a background drain overlaps. The slowdown is the median step with a
 drain in flight minus the median step without one, once there are steps of
 both kinds; before that (interval 1 leaves no step without a drain) the
 drain's whole duration counts: an upper bound, so the interval can only
-grow from there. ``step`` is the median time between ``save`` calls.
+grow from there. A step is the time between ``save`` calls less what
+``save`` blocked (counted once, as blocking); ``step`` is their median.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class YoungDalySchedule:
     self._busy_steps: collections.deque[float] = collections.deque(maxlen=window)
     self._free_steps: collections.deque[float] = collections.deque(maxlen=window)
     self._last_call: float | None = None
+    self._blocked = 0.0  # what the last save blocked, not part of its step
     self.interval = 1
     self.reason = "auto: no snapshot measured yet"
 
@@ -69,12 +71,14 @@ class YoungDalySchedule:
     ``step`` is a snapshot step."""
     if self._last_call is not None:
       busy = drain_busy_until > self._last_call
-      (self._busy_steps if busy else self._free_steps).append(now - self._last_call)
-    self._last_call = now
+      step_s = max(0.0, now - self._last_call - self._blocked)
+      (self._busy_steps if busy else self._free_steps).append(step_s)
+    self._last_call, self._blocked = now, 0.0
     return self._last_snapshot is None or step - self._last_snapshot >= self.interval
 
   def on_snapshot(self, step: int, blocking_s: float) -> None:
     self._last_snapshot = step
+    self._blocked = blocking_s
     self._blocking.append(blocking_s)
     self._update()
 

@@ -67,3 +67,39 @@ def test_auto_needs_an_mtbf():
     snapstore.AutoInterval()  # type: ignore[call-arg]
   with pytest.raises(TypeError, match="AutoInterval"):
     snapstore.SnapshotOptions(interval="auto")
+
+
+def simulate(schedule, steps, *, step_s, blocking_s, drain_s, slowdown_s):
+  """A training loop on a made-up clock: a snapshot blocks ``blocking_s``, its
+  drain runs ``drain_s`` behind it, and a step it overlaps takes ``slowdown_s``
+  longer. Returns the steps snapshotted."""
+  now, busy_until, taken = 0.0, 0.0, []
+  for step in range(steps):
+    if schedule.due(step, now, busy_until):
+      taken.append(step)
+      schedule.on_snapshot(step, blocking_s)
+      now += blocking_s
+      busy_until = now + drain_s
+      schedule.on_drain(drain_s)
+    now += step_s + (slowdown_s if busy_until > now else 0.0)
+  return taken
+
+
+def test_auto_goes_back_to_every_step_when_the_overlapped_drain_slows_no_step():
+  from snapstore._interval import YoungDalySchedule
+  # A staged capture: save blocks 10 ms, the drain takes 300 ms behind a 400 ms
+  # step and slows none. The first estimate counts the whole drain (no step
+  # without one is seen yet at interval 1), so the interval grows; once steps of
+  # both kinds are seen, the measured cost is the 10 ms and the rule says 1.
+  sched = YoungDalySchedule(job_mtbf_s=20.0)
+  taken = simulate(sched, 120, step_s=0.4, blocking_s=0.01, drain_s=0.3, slowdown_s=0.0)
+  assert young_daly_steps(0.31, 20.0, 0.4) > 1 == young_daly_steps(0.01, 20.0, 0.4)
+  assert sched.interval == 1, sched.reason
+  assert taken[-20:] == list(range(100, 120)), taken  # every step at the end
+  assert "measured slowdown 0.0000" in sched.reason
+
+  # The same drain slowing each step it overlaps by 100 ms costs ~110 ms a
+  # snapshot: the interval stays where that cost puts it.
+  slow = YoungDalySchedule(job_mtbf_s=20.0)
+  simulate(slow, 120, step_s=0.4, blocking_s=0.01, drain_s=0.3, slowdown_s=0.1)
+  assert slow.interval == young_daly_steps(0.11, 20.0, 0.4) > 1, slow.reason
