@@ -381,6 +381,20 @@ def link(mb: int, repeats: int) -> dict[str, Any]:
   return out
 
 
+def _rss_loop(run: _Loop, mgr: Any, snapshots: int, chunk: int = 20) -> dict[str, Any]:
+  """Host RSS over ``snapshots`` saves, one a step (the same slots and arenas
+  written again and again), sampled every ``chunk``: one sample pair can land
+  on a trough or a peak of the allocator's churn, a trace shows a trend.
+  ``growth_mb``: the second half's peak over the first half's."""
+  trace = [_rss_mb()]
+  for done in range(0, snapshots, chunk):
+    run.run(min(chunk, snapshots - done), mgr)
+    trace.append(_rss_mb())
+  half = len(trace) // 2
+  return {"rss_loop_snapshots": snapshots, "rss_loop_mb": trace,
+          "rss_loop_growth_mb": round(max(trace[half:]) - max(trace[:half]), 1)}
+
+
 def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: int,
              kinds: Sequence[str], link_gbps: float | None,
              staging: str = "AUTO", rss_snapshots: int = 0) -> dict[str, Any]:
@@ -432,11 +446,8 @@ def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: in
                     "restore_over_raw_h2d": round(raw / restore_s, 4),
                     "restored_step": r.step, "bitwise_equal": _equal(r.state, expected)})
         del r
-        if rss_snapshots:  # the same slots and arenas, written again and again
-          before = _rss_mb()
-          run.run(rss_snapshots, mgr)
-          row.update({"rss_loop_snapshots": rss_snapshots, "rss_loop_mb_before": before,
-                      "rss_loop_mb_after": _rss_mb()})
+        if rss_snapshots:
+          row.update(_rss_loop(run, mgr, rss_snapshots))
       out[name] = row
     finally:
       cleanup(d)

@@ -65,7 +65,7 @@ def test_device_check_runs_every_section_on_cpu_devices_bitwise(tmp_path):
                                "--repeats", "1", "--stores", "pinned_device_sum",
                                "--per-step-steps", "2", "--staging", "ALWAYS",
                                "--per-step-stores", *device_check.PER_STEP,
-                               "--rss-snapshots", "2"],
+                               "--rss-snapshots", "3"],
                 tmp_path / "device_check.json")
   for kind in device_check.STORES:
     assert result["stores"][kind]["bitwise_equal"] and result["stores"][kind]["restored_step"] == 1
@@ -77,9 +77,10 @@ def test_device_check_runs_every_section_on_cpu_devices_bitwise(tmp_path):
   (row,) = result["per_step"].values()
   for name in device_check.PER_STEP:
     r = row[name]
-    assert r["bitwise_equal"] and r["snapshots"] == 2 and r["rss_loop_snapshots"] == 2, r
+    assert r["bitwise_equal"] and r["snapshots"] == 2 and r["rss_loop_snapshots"] == 3, r
+    assert len(r["rss_loop_mb"]) == 2 and math.isfinite(r["rss_loop_growth_mb"]), r
     _positive(r["step_ms_none"], r["step_ms_every_1"], r["restore_s"], r["raw_h2d_s"],
-              r["rss_mb_after"], r["small_budget_bound_ms"], r["rss_loop_mb_after"])
+              r["rss_mb_after"], r["small_budget_bound_ms"], *r["rss_loop_mb"])
   for name in ("host_files", "host_files_budget_64mb", "pinned_process",
                "pinned_process_budget_64mb"):  # --staging ALWAYS: staged on CPU
     assert row[name]["staged_bytes"] == 8 << 20, row[name]
