@@ -70,6 +70,17 @@ class BadCopy(Exception):
     #: plans again without it. None: only this copy is bad.
     self.lost_store = lost_store
 
+  def bare(self) -> BadCopy:
+    """This failure as a new exception with no traceback: what the assembler
+    keeps and raises again. A raised exception holds the frames it unwound
+    (the assembler, the leaves placed so far): kept in the assembler, that is
+    a cycle only the collector frees, and on an accelerator those leaves hold
+    device memory through the restore's next attempt."""
+    e = BadCopy.__new__(BadCopy)
+    Exception.__init__(e, *self.args)
+    e.key, e.leaf, e.lost_store = self.key, self.leaf, self.lost_store
+    return e
+
 
 class PieceSource(Protocol):
   """What the assembler needs of a backend."""
@@ -356,7 +367,7 @@ class Assembler:
         bads = [self.bad[k] for c in copies if (k := c.key(self.plan.step)) in self.bad]
         if not bads:
           raise ValueError(f"no copy of piece {index} of leaf {leaf} is held here")
-        raise bads[-1]
+        raise bads[-1].bare()
     if device is None or not isinstance(got, jax.Array) or device in got.devices():
       return got
     return jax.device_put(got, device)
@@ -379,7 +390,7 @@ class Assembler:
 
   def mark_bad(self, e: BadCopy) -> None:
     """Records a bad copy (and its store, if the store itself is lost)."""
-    self.bad[e.key] = e
+    self.bad[e.key] = e.bare()
     if e.lost_store is not None:
       self.lost_stores.add(e.lost_store)
 

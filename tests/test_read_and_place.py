@@ -6,6 +6,7 @@ places)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import jax
@@ -72,3 +73,70 @@ def test_only_targets_on_accelerators_overlap():
   targets = list(abstract().values())
   assert not peers._puts_copy(targets)
   assert not peers._puts_copy([np.zeros(4), 3, jax.ShapeDtypeStruct((4,), jnp.float32)])
+
+
+def test_a_failed_attempt_frees_the_leaves_it_placed_before_the_next_one(store_dir,
+                                                                          monkeypatch):
+  """The last leaf of step 2 is corrupt: its attempt has placed every other
+  leaf when it finds out. Those leaves must be gone by reference counting
+  alone (the collector off) when the attempt at step 1 starts: on an
+  accelerator they hold device memory the next attempt needs."""
+  monkeypatch.setattr(_assemble, "GROUP_BYTES", 1)
+  monkeypatch.setattr(peers, "_puts_copy", lambda targets: True)
+  shape = state(0)["w0"].shape
+  alive: list[tuple[int, int]] = []  # (step tried, its leaves alive as it starts)
+  real = peers.Solo.assemble
+
+  def assemble(self, assembler, specs, targets):
+    alive.append((assembler.plan.step,
+                  sum(a.shape == shape and not a.is_deleted() for a in jax.live_arrays())))
+    return real(self, assembler, specs, targets)
+  with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
+    for step in (1, 2):
+      mgr.save(step, state(step))
+    mgr.wait_until_finished()
+    (store,) = mgr._backend.stores.values()
+    (m,) = [m for m in store.manifests() if m.step == 2]
+    last = max(r for r in m.pieces if m.leaves[r.leaf].path.endswith("w7"))
+    with open(store.root / f"slot-{m.slot}.bin", "r+b") as f:
+      f.seek(last.offset + 5)
+      b = f.read(1)
+      f.seek(last.offset + 5)
+      f.write(bytes([b[0] ^ 0x10]))
+    monkeypatch.setattr(peers.Solo, "assemble", assemble)
+    gc.collect()
+    gc.disable()
+    try:
+      got = mgr.restore(abstract())
+    finally:
+      gc.enable()
+  assert got.step == 1
+  assert_bitwise_equal(host_copy(state(1)), got.state)
+  assert [s for s, _ in alive] == [2, 1], alive
+  assert alive[1][1] == alive[0][1], alive  # none of step 2's placed leaves left
+
+
+def test_several_hosts_put_early_only_leaves_in_device_memory(store_dir, monkeypatch):
+  """A leaf whose target lives in another memory kind is built after the
+  hosts' collectives: moving it there may run a program over every process
+  (all must run it in the same order). The plan and pieces are a real
+  restore's; ``_all_here`` is asked as host 0 of several would ask."""
+  seen: list[tuple] = []
+  real = peers.Solo.assemble
+
+  def assemble(self, assembler, specs, targets):
+    seen.append((assembler, specs))
+    return real(self, assembler, specs, targets)
+  monkeypatch.setattr(peers.Solo, "assemble", assemble)
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr.save(1, state(1))
+    mgr.wait_until_finished()
+    mgr.restore(abstract())
+  ((assembler, specs),) = seen
+  targets = list(abstract().values())
+  on_device = peers._all_here(assembler, assembler.plan, specs, targets, 0)
+  assert on_device == [True] * len(targets)
+  pinned = targets[3].sharding.with_memory_kind("pinned_host")
+  targets[3] = jax.ShapeDtypeStruct(targets[3].shape, targets[3].dtype, sharding=pinned)
+  assert peers._all_here(assembler, assembler.plan, specs, targets, 0) == [
+      i != 3 for i in range(len(targets))]

@@ -114,7 +114,7 @@ class Solo:
         leaves = assembler.tree(target_specs, targets)
         timings["read_place"] = time.perf_counter() - t
     except BadCopy as e:
-      assembler.bad.setdefault(e.key, e)
+      assembler.bad.setdefault(e.key, e.bare())
       leaves = None
     return Assembled(leaves, {k: str(e) for k, e in assembler.bad.items()}, timings=timings)
 
@@ -236,7 +236,7 @@ class Distributed:
                 [x if x is not None else assembler.leaf(by_path[spec.path], spec, target)
                  for x, spec, target in zip(early, target_specs, targets, strict=True)])
     except BadCopy as e:  # (a copy read only now: agreed below, like the others)
-      assembler.bad.setdefault(e.key, e)
+      assembler.bad.setdefault(e.key, e.bare())
       leaves = None
     found = moves.gather_bad(coll, assembler.bad)
     out.timings["read_place"] = placing + time.perf_counter() - t
@@ -413,13 +413,18 @@ def _read(assembler: Assembler, keys: Sequence[tuple[int, Index]]) -> None:
 def _all_here(assembler: Assembler, plan: Any, target_specs: Sequence[LeafSpec],
               targets: Sequence[Any], host: int) -> list[bool]:
   """Per target, whether this host holds a copy of every piece its shards
-  here read (so its leaf can be put before other hosts send theirs)."""
+  here read (so its leaf can be put before other hosts send theirs). Not a
+  target in another memory kind (e.g. ``pinned_host``): moving it there
+  from device memory may run a program over every process, which all must
+  run in the same order, after the collectives."""
   by_path = {s.path: i for i, s in enumerate(plan.specs)}
   out = []
   for spec, target in zip(target_specs, targets, strict=True):
     keys = assembler.local_pieces(by_path[spec.path], spec, target)
-    out.append(bool(keys) and all(any(c.store == host for c in plan.copies.get(k, ()))
-                                  for k in keys))
+    kind = (target_sharding(target).memory_kind
+            if isinstance(target, jax.Array | jax.ShapeDtypeStruct) else None)
+    out.append(bool(keys) and kind in (None, "device")
+               and all(any(c.store == host for c in plan.copies.get(k, ())) for k in keys))
   return out
 
 
