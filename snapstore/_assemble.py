@@ -237,23 +237,23 @@ class Assembler:
     ``read_place``."""
     by_path = {s.path: i for i, s in enumerate(self.plan.specs)}
     held = {s for s in self.plan.stores if self.source.holds(s)}
-    groups: list[list[tuple[int, list[tuple[Item, int]]]]] = [[]]  # (target, its items)
-    sizes = [0]
     keys = [self._reads(by_path[t.path], t, tgt) for t, tgt in zip(target_specs, targets,
                                                                     strict=True)]
     listed = {k for ks in keys for k in ks}
-    per = [(i, self._items(ks, held)) for i, ks in enumerate(keys)]
-    per.append((-1, self._items(dict.fromkeys(k for k in extra if k not in listed
-                                              and k in self.plan.copies), held)))
-    total = sum(n for _, items in per for _, n in items)
-    for i, items in per:
-      if sizes[-1] and sizes[-1] + sum(n for _, n in items) > max(total // 8, GROUP_BYTES):
+    keys.append([k for k in dict.fromkeys(extra) if k not in listed and k in self.plan.copies])
+    per = [sum(self.plan.copies[k][0].record.nbytes for k in ks if k not in self._verified)
+           for ks in keys]
+    groups: list[list[int]] = [[]]  # targets (-1: extra), about an eighth of the bytes each
+    sizes, most = [0], max(sum(per) // 8, GROUP_BYTES)
+    for i, n in enumerate(per):
+      if sizes[-1] and sizes[-1] + n > most:
         groups.append([])
         sizes.append(0)
-      groups[-1].append((i, items))
-      sizes[-1] += sum(n for _, n in items)
-    tasks = self._tasks([[it for _, items in group for it in items] for group in groups],
-                        workers)
+      groups[-1].append(i if i < len(targets) else -1)
+      sizes[-1] += n
+    # (a group's pieces as one list: its small ones are read in runs across leaves)
+    tasks = self._tasks([self._items([k for i in group for k in keys[i]], held)
+                         for group in groups], workers)
     fetch = self._fetch_task
     out: list[Any] = [None] * len(targets)
     pending = [pool.submit(fetch, task) for task in tasks[0]]
@@ -269,7 +269,7 @@ class Assembler:
         pending, later = later, []
         timings["read_verify"] = timings.get("read_verify", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
-        for i, _ in group:
+        for i in group:
           if i < 0 or (place is not None and not place[i]):
             continue
           try:

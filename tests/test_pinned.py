@@ -21,6 +21,7 @@ from snapstore import (
   HostFiles,
   PinnedChecksum,
   PinnedHost,
+  PinnedMemory,
   Replicas,
   SnapshotManager,
   SnapshotOptions,
@@ -34,6 +35,7 @@ from snapstore._checksum import (
   device_checksum,
   shard_checksums,
 )
+from snapstore._index import align
 from tests.helpers import (
   assert_bitwise_equal,
   host_copy,
@@ -179,13 +181,36 @@ def test_budget_too_small_raises_before_taking_memory_and_caps_snapshots(s2d):
   with manager(s2d) as probe:
     probe.save(1, state)
     probe.wait_until_finished()
-    size = max(m.data_bytes for st in probe._backend.stores.values() for m in st.manifests())
+    # (in this process's memory, the default here, each piece takes whole pages)
+    size = max(sum(align(r.nbytes) for r in m.pieces)
+               for st in probe._backend.stores.values() for m in st.manifests())
   with manager(s2d, keep=5, budget_bytes=2 * size) as mgr:
     for step in range(1, 6):
       mgr.save(step, make_state(jax.devices(), step))
     mgr.wait_until_finished()
     assert all(len(st.manifests()) <= 2 for st in mgr._backend.stores.values())
     assert mgr.snapshot_steps()[-1] == 5
+
+
+def test_the_budget_counts_the_pages_this_process_holds_for_tiny_pieces(s2d):
+  """In this process's memory each piece starts on a page of its slot: 64
+  leaves of 16 bytes hold 64 pages a snapshot, and a budget for two of 1 KiB
+  (what the bytes alone sum to) is refused, not overrun 256 times."""
+  tiny = {f"b{i:02d}": jnp.full((4,), i, jnp.float32) for i in range(64)}
+  store = PinnedHost(checksum=PinnedChecksum.HOST, memory=PinnedMemory.PROCESS,
+                     budget_bytes=10 * 64 * 16)
+  with manager(s2d, store=store, keep=1) as mgr:
+    with pytest.raises(BudgetExceededError, match=r"takes 262144 bytes"):
+      mgr.save(1, tiny)
+    assert mgr.snapshot_steps() == []
+  store = PinnedHost(checksum=PinnedChecksum.HOST, memory=PinnedMemory.PROCESS,
+                     budget_bytes=2 * 64 * 4096)
+  with manager(s2d, store=store, keep=1) as mgr:
+    for step in (1, 2, 3):
+      mgr.save(step, tiny)
+    mgr.wait_until_finished()
+    assert mgr.snapshot_steps()[-1] == 3
+    assert_bitwise_equal(host_copy(tiny), mgr.restore(tiny).state)
 
 
 # ----------------------------------------------------------------- restore

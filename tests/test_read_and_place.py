@@ -140,3 +140,24 @@ def test_several_hosts_put_early_only_leaves_in_device_memory(store_dir, monkeyp
   targets[3] = jax.ShapeDtypeStruct(targets[3].shape, targets[3].dtype, sharding=pinned)
   assert peers._all_here(assembler, assembler.plan, specs, targets, 0) == [
       i != 3 for i in range(len(targets))]
+
+
+def test_small_leaves_are_read_in_runs_across_leaves(store_dir, monkeypatch):
+  """200 leaves of 1 KiB in one slot: a group's small pieces are read back to
+  back in a few runs, as the prefetch reads them, not one read a leaf."""
+  monkeypatch.setattr(peers, "_puts_copy", lambda targets: True)
+  small = {f"b{i:03d}": jnp.full((256,), i, jnp.float32) for i in range(200)}
+  reads: list[int] = []  # pieces a fetch got
+  real = _assemble.Assembler._fetch_item
+
+  def fetch_item(self, item, out):
+    reads.append(len(item) if isinstance(item, list) else 1)
+    return real(self, item, out)
+  with snapstore.SnapshotManager(opts(store_dir)) as mgr:
+    mgr.save(1, small)
+    mgr.wait_until_finished()
+    monkeypatch.setattr(_assemble.Assembler, "_fetch_item", fetch_item)
+    got = mgr.restore(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), small))
+  assert_bitwise_equal(host_copy(small), got.state)
+  assert sum(reads) == 200 and len(reads) <= 8, reads

@@ -40,7 +40,7 @@ from ..._checksum import (
   piece_key,
   shard_checksums,
 )
-from ..._index import Index, nbytes as index_nbytes, normalize
+from ..._index import Index, align, nbytes as index_nbytes, normalize
 from ..._placement import HolderLayout, holder_layout, shard_arrays
 from ..._tree import LeafKind, LeafSpec, Piece, positions
 from ...options import Staging
@@ -77,6 +77,10 @@ class PinnedCapture:
     return self.kinds.get((leaf, index), self.checksum)
 
   def nbytes(self, domain: int) -> int:
+    """The bytes ``domain`` keeps: in this process's memory, each piece at a
+    page boundary of its slot, as the slot memory holds it."""
+    if domain in self.host:
+      return sum(align(p.nbytes) for p, _ in self.pieces[domain])
     return sum(p.nbytes for p, _ in self.pieces[domain])
 
   def copy_to_host(self, take: Callable[[int, int], np.ndarray], pool: futures.Executor,
