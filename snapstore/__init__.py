@@ -19,6 +19,7 @@ from .errors import (
     StoreError as StoreError,
     TreeMismatchError as TreeMismatchError,
     UnsafeStoreError as UnsafeStoreError,
+    UnsupportedExtraError as UnsupportedExtraError,
     UnsupportedLeafError as UnsupportedLeafError,
 )
 from .metrics import (
@@ -53,5 +54,5 @@ __all__ = [
     "Parity", "PinnedChecksum", "PinnedHost", "PinnedMemory", "Replicas", "RestoreResult",
     "SaveMetrics", "SnapshotManager", "SnapshotOptions", "SnapstoreError", "Source", "Staging",
     "StepNotFoundError", "StepOrderError", "StoreError", "StoreSpec", "TreeMismatchError",
-    "UnsafeStoreError", "UnsupportedLeafError", "errors", "stores",
+    "UnsafeStoreError", "UnsupportedExtraError", "UnsupportedLeafError", "errors", "stores",
 ]

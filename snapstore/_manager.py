@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 
 from . import _backends, _faults, _fencing, _interval, _multihost, _planner, _restore, _save, errors
 from ._arena import ArenaCache
-from ._manifest import check_extra
+from ._manifest import check_extra, check_inline
 from ._persistent import OrbaxTier
 from ._tree import flatten
 from .metrics import RestoreResult, SaveMetrics, Source
@@ -95,6 +95,8 @@ class SnapshotManager:
       InvalidStepError: ``step`` is not an int in [0, 2**48].
       StepOrderError: ``step`` is older than the last one saved.
       UnsupportedLeafError: a leaf a restore could not read back.
+      UnsupportedExtraError: ``extra`` is not msgpack-able, or it and the
+        state's strings are too big for a manifest (32 MiB).
       DeletedLeafError: an array whose buffer was donated or deleted.
       BudgetExceededError: the store cannot hold a snapshot in its budget.
       DrainFailedError: the previous snapshot failed in the background.
@@ -111,8 +113,9 @@ class SnapshotManager:
     persist = self.persistent is not None and self.options.should_persist(step)
     if not (snap or persist):
       return False
-    check_extra(extra)
+    extra_bytes = check_extra(extra)
     specs, leaves, _ = flatten(state)
+    check_inline(extra_bytes, leaves)
     if persist and self.persistent is not None:
       _faults.point("orbax", step)
       self.persistent.save(step, specs, leaves, extra)

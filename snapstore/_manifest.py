@@ -37,6 +37,9 @@ PARITY_LEAF = -1  # the leaf of a parity block's piece record (see ._parity)
 FORMAT = "snapstore/manifest"
 VERSION = 3  # 3: an envelope with the body's crc32c; per-piece checksum kinds
 MAX_MANIFEST_BYTES = 64 << 20
+#: what ``extra`` and a state's strings may take in a manifest together (the
+#: rest of :data:`MAX_MANIFEST_BYTES` is for the leaf and piece tables)
+MAX_INLINE_BYTES = 32 << 20
 
 
 class PieceRecord(NamedTuple):
@@ -221,8 +224,13 @@ def encode(m: Manifest) -> bytes:
                       [[[lf, [list(x) for x in idx]] for lf, idx in mem] for mem in r.layout],
                       r.length] for r in m.parity]
   body = msgpack.packb(doc, use_bin_type=True)
-  return msgpack.packb({"format": FORMAT, "version": VERSION,
-                        "crc32c": crc32c.crc32c(body), "body": body}, use_bin_type=True)
+  out = msgpack.packb({"format": FORMAT, "version": VERSION,
+                       "crc32c": crc32c.crc32c(body), "body": body}, use_bin_type=True)
+  if len(out) > MAX_MANIFEST_BYTES:  # (what no reader would accept is not written)
+    raise errors.UnsupportedExtraError(
+        f"step {m.step}: a manifest of {len(out)} bytes, over the limit of "
+        f"{MAX_MANIFEST_BYTES} (extra, strings, or leaves and pieces); nothing committed")
+  return out
 
 
 def _piece_row(p: PieceRecord) -> list[Any]:
@@ -241,18 +249,35 @@ def _index_from(index: Any) -> Index:
   return tuple((_int(a), _int(b)) for a, b in index)
 
 
-def check_extra(extra: Any) -> None:
-  """Raises TypeError if ``extra`` does not survive a msgpack round trip."""
+def check_extra(extra: Any) -> int:
+  """``extra``'s bytes in a manifest; raises UnsupportedExtraError if it
+  does not survive a msgpack round trip."""
   try:
-    back = msgpack.unpackb(msgpack.packb(extra, use_bin_type=True), raw=False,
-                           strict_map_key=False)
+    packed = msgpack.packb(extra, use_bin_type=True)
+    back = msgpack.unpackb(packed, raw=False, strict_map_key=False)
   except (TypeError, ValueError, OverflowError) as e:
-    raise TypeError(
+    raise errors.UnsupportedExtraError(
         f"extra must be msgpack-serializable (dicts, lists, str, bytes, numbers): {e}"
-    ) from e
+    ) from None
   if not _same(back, extra):
-    raise TypeError("extra does not survive a msgpack round trip unchanged "
-                    "(tuples become lists); pass lists and dicts")
+    raise errors.UnsupportedExtraError("extra does not survive a msgpack round trip "
+                                       "unchanged (tuples become lists); pass lists and dicts")
+  return len(packed)
+
+
+def check_inline(extra_bytes: int, leaves: Sequence[Any]) -> None:
+  """Raises UnsupportedExtraError if ``extra`` and the state's strings are
+  more than a manifest carries inline (:data:`MAX_INLINE_BYTES`): a
+  manifest over :data:`MAX_MANIFEST_BYTES` would be refused by every reader."""
+  strings = sum(len(v) for v in leaves if type(v) is str)  # (chars: at most 4 bytes each)
+  if extra_bytes + strings <= MAX_INLINE_BYTES // 4:
+    return
+  strings = sum(len(v.encode("utf-8")) for v in leaves if type(v) is str)
+  if extra_bytes + strings > MAX_INLINE_BYTES:
+    raise errors.UnsupportedExtraError(
+        f"extra ({extra_bytes} bytes) and the state's strings ({strings} bytes) are more than "
+        f"the {MAX_INLINE_BYTES} bytes a snapshot's manifest carries; keep large data in "
+        "numpy arrays of the state")
 
 
 def copy_extra(extra: Any) -> Any:

@@ -66,6 +66,12 @@ class UnsupportedLeafError(SnapstoreError, TypeError):
     self.leaf = leaf
 
 
+class UnsupportedExtraError(SnapstoreError, TypeError, ValueError):
+  """``save``'s ``extra`` that a manifest cannot carry: not unchanged through
+  msgpack, or, with the state's strings, over what a manifest holds inline
+  (:data:`snapstore._manifest.MAX_INLINE_BYTES`). Nothing was saved."""
+
+
 class InvalidStepError(SnapstoreError, ValueError):
   """A ``step`` that is not an int in [0, 2**48] (``save``; ``restore``,
   where None is also allowed). Nothing was saved or restored."""

@@ -373,12 +373,42 @@ def test_bad_arguments_raise_clear_errors(trainer, store_dir):
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     with pytest.raises(ValueError, match="step"):
       mgr.save(-1, {"a": np.zeros(2)})
-    with pytest.raises(TypeError, match="msgpack"):
+    with pytest.raises(snapstore.UnsupportedExtraError, match="msgpack"):
       mgr.save(0, {"a": np.zeros(2)}, extra={"x": object()})
     with pytest.raises(TypeError, match="unsupported type"):
       mgr.save(0, {"a": object()})
     with pytest.raises(snapstore.NothingToRestoreError, match="Nothing was deleted"):
       mgr.restore({"a": np.zeros(2)})
+
+
+def test_extra_and_strings_too_big_for_a_manifest_are_refused_and_lose_nothing(store_dir):
+  """A manifest over the 64 MiB every reader accepts would be committed by
+  its writer and refused by every restore; retention would then delete the
+  steps that can be read. ``save`` refuses it first, the steps kept stay."""
+  state = {"a": np.arange(4.0)}
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as mgr:
+    mgr.save(1, state, extra={"it": 1})
+    mgr.wait_until_finished()
+    with pytest.raises(snapstore.UnsupportedExtraError, match=r"extra \(\d+ bytes\)"):
+      mgr.save(2, state, extra={"blob": b"x" * (33 << 20)})
+    strings = {f"s{i}": "y" * (1 << 20) for i in range(33)}  # each within a leaf's 1 MiB
+    with pytest.raises(snapstore.UnsupportedExtraError, match="strings"):
+      mgr.save(3, {**state, **strings})
+    mgr.wait_until_finished()
+    assert mgr.snapshot_steps() == [1]
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as fresh:  # what a restart reads
+    r = fresh.restore(state)
+  assert r.step == 1 and r.extra == {"it": 1}
+
+
+def test_a_manifest_over_the_limit_is_never_written():
+  from snapstore import _manifest
+  m = _manifest.Manifest(
+      run_id="r", incarnation=0, step=7, store=0, num_hosts=1, tree_digest="d", slot=0,
+      chunk_bytes=1 << 20, leaves=(), pieces=(), scalars={},
+      extra={"blob": b"z" * (_manifest.MAX_MANIFEST_BYTES + 1)})
+  with pytest.raises(snapstore.UnsupportedExtraError, match="step 7: a manifest of"):
+    _manifest.encode(m)
 
 
 @pytest.mark.parametrize("interval", [0.0005, None])

@@ -5,6 +5,7 @@ import logging
 import shutil
 
 import jax
+import numpy as np
 import pytest
 
 import snapstore
@@ -141,6 +142,42 @@ def test_budget_for_two_snapshots_keeps_at_most_two(trainer, store_dir):
       assert len(files) <= 2 and len(slots) <= 2
       assert sum(p.stat().st_size for p in slots) <= o.store.budget_bytes
     assert mgr.snapshot_steps()[-1] == 7
+
+
+def test_one_state_too_big_for_the_budget_does_not_stop_later_snapshots(store_dir):
+  """Step 3's state does not fit the budget (skipped, counted); the usual
+  size fits again from step 4 on: the refused size is not kept as the slot
+  size every later request is rounded up to."""
+  def state(step, rows):
+    return {"w": np.full((rows, 256), step, np.float32)}
+  o = opts(store_dir, keep=1, budget_bytes=int(2.5 * 256 * 256 * 4))
+  with snapstore.SnapshotManager(o) as mgr:
+    took = []
+    for step, rows in [(1, 256), (2, 256), (3, 384), (4, 256), (5, 256)]:
+      took.append(mgr.save(step, state(step, rows)))
+      mgr.wait_until_finished()
+    assert took == [True, True, False, True, True]
+    assert mgr.metrics.store_failures == 1 and "393216 bytes" in mgr.metrics.last_store_failure
+    assert mgr.snapshot_steps() == [4, 5]
+    r = mgr.restore(state(0, 256))
+  assert r.step == 5
+  assert_bitwise_equal(state(5, 256), r.state)
+
+
+def test_a_store_directory_removed_between_saves_is_made_again(trainer, store_dir):
+  """Something deletes the host's store directory (a RAM disk cleanup):
+  a restore finds nothing there (a SnapstoreError, not an OSError of the
+  scan), the next save makes it again and snapshots go on."""
+  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as mgr:
+    train_and_save(trainer, mgr, [1, 2])
+    shutil.rmtree(only_store(mgr).root)
+    with pytest.raises(snapstore.NothingToRestoreError):
+      mgr.restore(trainer.abstract_state())
+    refs = train_and_save(trainer, mgr, [3, 4])
+    assert mgr.metrics.store_failures == 0 and mgr.snapshot_steps() == [3, 4]
+    r = mgr.restore(trainer.abstract_state())
+  assert r.step == 4
+  assert_bitwise_equal(refs[4], r.state)
 
 
 def test_budget_smaller_than_two_snapshots_is_an_error_at_first_save(trainer, store_dir):

@@ -129,9 +129,7 @@ class HostStore:
     # path -> ((mtime_ns, size, ino), manifest or why not): decode each file
     # version once; only the files there now are kept.
     self._decoded: dict[Path, tuple[tuple[int, int, int], Manifest | str]] = {}
-    secure_dir(self.root.parent.parent, create=True, shared_ok=True)
-    secure_dir(self.root.parent, create=True)
-    secure_dir(self.root, create=True)
+    self._make_dirs()
     for entry in os.scandir(self.root):  # a writer died before its rename.
       if ".tmp." in entry.name and entry.is_file(follow_symlinks=False):
         try:
@@ -139,6 +137,12 @@ class HostStore:
           logger.info("removed %s: an interrupted write", entry.path)
         except OSError as e:  # a read-only store still restores
           logger.info("cannot remove %s (%s)", entry.path, e)
+
+  def _make_dirs(self) -> None:
+    """The store's directories, made where missing (checked where present)."""
+    secure_dir(self.root.parent.parent, create=True, shared_ok=True)
+    secure_dir(self.root.parent, create=True)
+    secure_dir(self.root, create=True)
 
   # ---------------------------------------------------------------- slots
   def _slot_path(self, i: int) -> Path:
@@ -174,12 +178,15 @@ class HostStore:
     :func:`.._planner.evictable`). Raises BudgetExceededError (before
     deleting anything) if the budget cannot hold that one and this one,
     StoreError if the store cannot be written."""
+    if not os.path.isdir(self.root):  # removed under us: its snapshots are gone
+      logger.warning("host %d: the store directory %s is gone; making it again", self.host,
+                     self.root)
+      self._make_dirs()
     size = align(max(snapshot_bytes, 1))
     if size <= self._slot_size <= 2 * size:
       # Sizes that alternate (replicas with every other snapshot) share one
       # slot size, the larger: free slots are reused, not remade every save.
       size = self._slot_size
-    self._slot_size = size
     self.num_slots = _planner.slot_count(size, keep=self.keep, budget_bytes=self.budget_bytes,
                                          where=f"the host store of host {self.host}")
     valid = sorted(_planner.fence(self.manifests()), key=lambda m: m.step)
@@ -214,6 +221,7 @@ class HostStore:
       slot = next(i for i in itertools.count()
                   if i not in used and not os.path.lexists(self._slot_path(i)))
       self._create_slot(slot, size)
+    self._slot_size = size  # (only once it has one: a refused size is not remembered)
     return slot
 
   def _fits_after_eviction(self, kept: list[Manifest], sizes: dict[int, int],
@@ -345,8 +353,14 @@ class HostStore:
     """Valid manifests of this run on this host, oldest first. The others are
     skipped with a logged reason (never deleted: they may be evidence)."""
     out = []
-    for path, m, why in scan(self.root, run_id=self.run_id, host=self.host,
-                             cache=self._decoded):
+    try:
+      found = scan(self.root, run_id=self.run_id, host=self.host, cache=self._decoded)
+    except OSError as e:  # the directory gone or unreadable: nothing here can be used
+      logger.warning("host %d: cannot list %s (%s): it holds no snapshot", self.host,
+                     self.root, e)
+      self._decoded.clear()
+      return []
+    for path, m, why in found:
       if m is None:
         logger.warning("ignoring %s: %s", path, why)
       else:
