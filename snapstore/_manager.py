@@ -33,8 +33,10 @@ class SnapshotManager:
   constructs the manager, calls ``save`` with the same steps and ``restore``
   together. Threads: ``save``, ``restore``, ``wait_until_finished`` and the
   domain calls from one thread (the training loop); the copy, checksums and
-  manifest commit of a snapshot run on a background thread, whose error the
-  next ``save`` or ``wait_until_finished`` raises (:class:`DrainFailedError`).
+  manifest commit of a snapshot run on a background thread. Its failure is
+  counted in ``metrics.store_failures`` (``FailurePolicy.CONTINUE``, the
+  default) or raised by the next ``save``, ``wait_until_finished`` or
+  ``close`` (``RAISE``: :class:`DrainFailedError`).
 
   Args:
     options: a :class:`SnapshotOptions` (None: the defaults).
@@ -99,7 +101,8 @@ class SnapshotManager:
         state's strings are too big for a manifest (32 MiB).
       DeletedLeafError: an array whose buffer was donated or deleted.
       BudgetExceededError: the store cannot hold a snapshot in its budget.
-      DrainFailedError: the previous snapshot failed in the background.
+      DrainFailedError: the previous snapshot failed in the background
+        (``FailurePolicy.RAISE``; CONTINUE counts it and goes on).
       ClosedError: the manager is closed.
     """
     self._check_open()
@@ -127,17 +130,27 @@ class SnapshotManager:
                                            num_hosts=self._job_size, specs=specs, extra=extra)
     return self._saver.start(step, header, specs, leaves, t_enter)
 
-  def wait_until_finished(self) -> None:
+  def wait_until_finished(self) -> bool:
     """Blocks until the snapshot in flight (and the persistent save) is
-    committed. The training thread; not collective.
+    done. The training thread; not collective.
+
+    Returns:
+      True if that snapshot committed (or none was in flight); False if it
+      failed and ``FailurePolicy.CONTINUE`` counted it
+      (``metrics.store_failures``, ``metrics.last_store_failure``). Nothing
+      of a failed step is committed; the snapshots before it stay.
 
     Raises:
-      DrainFailedError: that snapshot failed (nothing of its step committed).
+      DrainFailedError: it failed, under ``FailurePolicy.RAISE``.
     """
+    return self._finish() is None
+
+  def _finish(self) -> errors.DrainFailedError | None:
+    """:meth:`wait_until_finished`, returning the failure it counted."""
     self._saver.wait()
     if self.persistent is not None:
       self.persistent.wait_until_finished()
-    self._saver.raise_drain_error()
+    return self._saver.settle()
 
   @property
   def store(self) -> Any:
@@ -210,7 +223,7 @@ class SnapshotManager:
     self._check_open()
     _fencing.check_step(step, optional=True)
     self._lineage_step = None  # a restore starts a new lineage (the result sets its step)
-    notes = _restore.settle(self.wait_until_finished)
+    notes = _restore.settle(self._finish)
     job = _restore.Restore(_restore.Inputs(
         backend=self._backend, peers=self._peers, persistent=self.persistent,
         options=self.options, arenas=self._arenas, host=self.host,
@@ -241,7 +254,8 @@ class SnapshotManager:
     Idempotent; the training thread (``with`` calls it).
 
     Raises:
-      DrainFailedError: the snapshot in flight failed (released all the same).
+      DrainFailedError: the snapshot in flight failed, under
+        ``FailurePolicy.RAISE`` (released all the same).
     """
     if self._closed:
       return
@@ -259,5 +273,11 @@ class SnapshotManager:
   def __enter__(self) -> SnapshotManager:
     return self
 
-  def __exit__(self, *exc: object) -> None:
-    self.close()
+  def __exit__(self, exc_type: object, *exc: object) -> None:
+    if exc_type is None:
+      self.close()
+      return
+    try:  # an error already on its way out is never replaced by the drain's
+      self.close()
+    except errors.DrainFailedError as e:
+      logger.warning("closing after an error: %s", e)

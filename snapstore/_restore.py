@@ -78,16 +78,18 @@ class Outcome:
   active_domains: tuple[int, ...] | None = None
 
 
-def settle(wait: Callable[[], None]) -> list[str]:
-  """Waits for the snapshot in flight (``wait``: the manager's
-  ``wait_until_finished``); a failed one is noted for the restore's
-  notes, not raised."""
+def settle(finish: Callable[[], errors.DrainFailedError | None]) -> list[str]:
+  """Waits for the snapshot in flight (``finish``: the manager's, which
+  returns its failure or raises it); a failed one is noted for the
+  restore's notes, not raised."""
   try:
-    wait()
+    failed = finish()
   except errors.DrainFailedError as e:  # e.g. its slice died mid-copy
-    logger.warning("the snapshot in flight was not completed and is not used: %s", e)
-    return [f"the snapshot in flight was not completed and is not used: {e}"]
-  return []
+    failed = e
+  if failed is None:
+    return []
+  logger.warning("the snapshot in flight was not completed and is not used: %s", failed)
+  return [f"the snapshot in flight was not completed and is not used: {failed}"]
 
 
 class Restore:

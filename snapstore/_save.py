@@ -73,6 +73,7 @@ class Saver:
     # collectives must come in one order.
     self._overlaps = options.keep >= 2 and getattr(options.store, "budget_bytes", None) is None
     self.inflight: futures.Future[None] | None = None
+    self.inflight_step = -1  # the step whose snapshot ``inflight`` drains
     self.done_at = 0.0  # when the last drain finished (the schedule's clock)
     self.drainer = futures.ThreadPoolExecutor(1, thread_name_prefix="snapstore-drain")
     self.prefaulting: threading.Thread | None = None
@@ -103,7 +104,7 @@ class Saver:
       return False
     if pending is None:
       return False
-    self.inflight = self.drainer.submit(self._drain, pending)
+    self.inflight, self.inflight_step = self.drainer.submit(self._drain, pending), step
     m = self.metrics
     m.snapshots_started += 1
     m.capture_seconds = time.perf_counter() - t0
@@ -135,7 +136,7 @@ class Saver:
     except errors.DrainFailedError as e:
       if self.options.failure_policy is FailurePolicy.RAISE:
         raise
-      self.store_failed(step, e)  # and this step is snapshotted as usual
+      self.store_failed(e.step if e.step is not None else step, e)  # (this step goes on)
     t0 = time.perf_counter()
     faulting = _arena.faulting_seconds()  # a new slot is made here (host files)
     try:
@@ -295,7 +296,22 @@ class Saver:
     if f is not None and f.done() and f.exception() is not None:
       self.inflight = None
       raise errors.DrainFailedError(
-          f"the background snapshot failed: {f.exception()!r}") from f.exception()
+          f"the background snapshot of step {self.inflight_step} failed: {f.exception()!r}",
+          step=self.inflight_step) from f.exception()
+
+  def settle(self) -> errors.DrainFailedError | None:
+    """Once the snapshot in flight is done: its failure, raised under
+    ``FailurePolicy.RAISE``, else counted (:meth:`store_failed`) and
+    returned; None if it committed (or none was in flight)."""
+    self.wait()
+    try:
+      self.raise_drain_error()
+    except errors.DrainFailedError as e:
+      if self.options.failure_policy is FailurePolicy.RAISE:
+        raise
+      self.store_failed(e.step if e.step is not None else -1, e)
+      return e
+    return None
 
   def wait(self) -> None:
     """Blocks until the snapshot in flight is committed or failed."""

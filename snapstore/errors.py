@@ -50,7 +50,15 @@ class BudgetExceededError(SnapstoreError, MemoryError):
 
 class DrainFailedError(SnapstoreError, RuntimeError):
   """A snapshot failed in its background drain (copy, checksum or commit);
-  the original error is its ``__cause__``. Nothing of that step was committed."""
+  the original error is its ``__cause__``. Nothing of that step was committed.
+
+  Attributes:
+    step: the step whose snapshot failed (None: not known).
+  """
+
+  def __init__(self, message: str, *, step: int | None = None):
+    super().__init__(message)
+    self.step = step
 
 
 class UnsupportedLeafError(SnapstoreError, TypeError):

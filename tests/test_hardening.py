@@ -157,19 +157,51 @@ def test_a_kill_while_a_bigger_state_is_saved_keeps_the_older_snapshot(store_dir
   assert r.state["w"].tobytes() == np.arange(1000, dtype=np.float32).tobytes()
 
 
-def test_a_failed_drain_of_a_resized_state_loses_nothing(store_dir):
-  with snapstore.SnapshotManager(opts(store_dir, keep=1)) as mgr:
+@pytest.mark.parametrize("policy", list(snapstore.FailurePolicy))
+def test_a_failed_drain_of_a_resized_state_loses_nothing(store_dir, policy):
+  """CONTINUE (the default) counts the failed step and says so; RAISE raises
+  it. Either way the step before it restores bitwise, and leaving the
+  ``with`` raises nothing more under CONTINUE."""
+  with snapstore.SnapshotManager(opts(store_dir, keep=1, failure_policy=policy)) as mgr:
     refs = save_steps(mgr, [1])
 
     def fail(pending):
       raise OSError("the RAM disk went away")
     mgr._backend.drain = fail
     mgr.save(2, state_at(2, rows=64))
-    with pytest.raises(snapstore.DrainFailedError):
-      mgr.wait_until_finished()
+    if policy is snapstore.FailurePolicy.RAISE:
+      with pytest.raises(snapstore.DrainFailedError, match="step 2 failed") as e:
+        mgr.wait_until_finished()
+      assert e.value.step == 2
+    else:
+      assert mgr.wait_until_finished() is False
+      assert mgr.metrics.store_failures == 1
+      assert mgr.metrics.last_store_failure.startswith("step 2: ")
+      mgr.save(3, state_at(3, rows=64))  # fails too (the drain still fails): at the exit
     r = mgr.restore(abstract())
+    assert mgr.wait_until_finished() is True  # (nothing in flight)
   assert r.step == 1
   assert_bitwise_equal(refs[1], r.state)
+
+
+def test_a_failed_drain_never_replaces_an_error_leaving_the_with_block(store_dir):
+  """A failed last snapshot under RAISE: ``close`` raises it, but not over
+  an error already on its way out of the ``with`` block."""
+  with pytest.raises(KeyError, match="the loop's own"):
+    with snapstore.SnapshotManager(opts(store_dir, failure_policy=snapstore.FailurePolicy.RAISE)
+                                   ) as mgr:
+      save_steps(mgr, [1])
+
+      def fail(pending):
+        raise OSError("the RAM disk went away")
+      mgr._backend.drain = fail
+      mgr.save(2, state_at(2))
+      raise KeyError("the loop's own")
+  with pytest.raises(snapstore.DrainFailedError):
+    with snapstore.SnapshotManager(opts(store_dir, failure_policy=snapstore.FailurePolicy.RAISE)
+                                   ) as mgr:
+      mgr._backend.drain = fail
+      mgr.save(3, state_at(3))
 
 
 def test_unsupported_leaves_are_refused_at_save_naming_the_leaf(store_dir):
