@@ -90,8 +90,10 @@ class SnapshotManager:
       force: snapshot this step whatever the interval.
 
     Returns:
-      True if a snapshot was started; False if the step is no snapshot step
-      or was skipped under ``BusyPolicy.SKIP`` (``metrics.skipped_busy``).
+      True if a snapshot was started; False if the step is no snapshot step,
+      was skipped under ``BusyPolicy.SKIP`` (``metrics.skipped_busy``), or
+      the RAM tier failed under ``FailurePolicy.CONTINUE``
+      (``metrics.store_failures``).
 
     Raises:
       InvalidStepError: ``step`` is not an int in [0, 2**48].
@@ -100,7 +102,9 @@ class SnapshotManager:
       UnsupportedExtraError: ``extra`` is not msgpack-able, or it and the
         state's strings are too big for a manifest (32 MiB).
       DeletedLeafError: an array whose buffer was donated or deleted.
-      BudgetExceededError: the store cannot hold a snapshot in its budget.
+      BudgetExceededError: the store cannot hold a snapshot in its budget;
+        ``StoreError``: it cannot be written. On a run's first snapshot (a
+        misconfiguration), or any under ``FailurePolicy.RAISE``.
       DrainFailedError: the previous snapshot failed in the background
         (``FailurePolicy.RAISE``; CONTINUE counts it and goes on).
       ClosedError: the manager is closed.

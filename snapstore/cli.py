@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import _faults
+
 
 def _demo(args: argparse.Namespace) -> int:
   try:
@@ -198,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   la.add_argument("--store-dir", default="/dev/shm/snapstore")
   la.add_argument("--run-id", default="job")
   la.add_argument("--kill", type=_parse_kill, action="append", default=[],
-                  help="HOST@STEP[:PHASE][+lose][/INCARNATION]; PHASE one of capture, "
-                  "replica, manifest, restore; +lose wipes the host's store")
+                  help="HOST@STEP[:PHASE][+lose][/INCARNATION]; PHASE one of "
+                  f"{', '.join(_faults.PHASES)}; +lose wipes the host's store")
   la.add_argument("--shrink-to", type=int, default=None, help="restart on fewer hosts")
   la.add_argument("--max-incarnations", type=int, default=3)
   la.add_argument("--timeout", type=float, default=600.0)

@@ -43,7 +43,7 @@ class BusyPolicy(enum.Enum):
   """What ``save`` does when the previous snapshot is still draining."""
 
   WAIT = "wait"  # block until the previous snapshot is complete, then start.
-  SKIP = "skip"  # do not snapshot this step; counted in ``metrics.skipped``.
+  SKIP = "skip"  # do not snapshot this step; counted in ``metrics.skipped_busy``.
 
 
 class FailurePolicy(enum.Enum):
@@ -169,8 +169,9 @@ class SnapshotOptions:
       pieces, so losing a domain rewinds to the newest snapshot whose
       replicas travelled (the restore picks it and reports the rewind). For
       jobs where the transfer costs more of a step than it should.
-    hosts_per_domain: hosts that fail together, where devices carry no
-      ``slice_index`` (``None``: one domain per host).
+    hosts_per_domain: hosts that fail together; when set, it overrides
+      ``device.slice_index`` (``None``: ``slice_index``, else one domain per
+      host).
     store: where snapshots live, with their directory and byte budget: a
       store value (:mod:`snapstore.stores`): ``HostFiles(dir=...,
       budget_bytes=...)``, ``PinnedHost(checksum=..., budget_bytes=...)``,

@@ -32,7 +32,8 @@ __all__ = ["DEFAULT_STORE_DIR", "Auto", "HostFiles", "PinnedChecksum", "PinnedHo
 class PinnedChecksum(enum.Enum):
   """The pinned-host store's integrity check."""
 
-  AUTO = "auto"      # HOST on CPU devices, DEVICE elsewhere
+  AUTO = "auto"      # HOST where this process holds the copies (PinnedMemory.PROCESS,
+                     # CPU devices), DEVICE elsewhere
   HOST = "host"      # crc32c of the pinned buffer, in place
   DEVICE = "device"  # a 64-bit sum computed by XLA on the device, for memory the
                      # controller cannot address
