@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from ._index import nbytes as index_nbytes, normalize
+from ._index import align, nbytes as index_nbytes, normalize
 from ._placement import host_domains
 from .options import Parity, Redundancy, Replicas
 
@@ -103,8 +103,9 @@ def from_state(state: Any, *, hosts_per_domain: int | None = None, keep: int = 2
                options: Sequence[Redundancy] = DEFAULT_OPTIONS) -> list[HostBytes]:
   """From the shardings of ``state`` (arrays or ``ShapeDtypeStruct`` with
   shardings; leaves without one are ignored): the busiest host's bytes per
-  option. Each distinct piece a host holds counts once; a piece held by one
-  failure domain only counts as unprotected at its lowest holder."""
+  option. Each distinct piece a host holds counts once, in whole pages as a
+  store keeps it; a piece held by one failure domain only counts as
+  unprotected at its lowest holder."""
   devices = jax.devices()
   domains = host_domains(devices, hosts_per_domain)
   own: dict[int, int] = collections.Counter()
@@ -119,7 +120,7 @@ def from_state(state: Any, *, hosts_per_domain: int | None = None, keep: int = 2
     for device, idx in sharding.devices_indices_map(shape).items():
       holders[normalize(idx, shape)].add(device.process_index)
     for idx, hosts in holders.items():
-      n = index_nbytes(idx, itemsize)
+      n = align(index_nbytes(idx, itemsize))
       for h in hosts:
         own[h] += n
       if len({domains[h] for h in hosts}) == 1:

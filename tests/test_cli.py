@@ -96,3 +96,32 @@ def test_capacity_refuses_hosts_that_do_not_split_into_domains(capsys):
   assert cli.main(["capacity", "--params", "1e9", "--hosts", "6",
                    "--hosts-per-domain", "4"]) == 2
   assert "do not split" in capsys.readouterr().err
+
+
+def test_capacity_from_a_state_is_what_a_store_holds_of_it(store_dir):
+  """``capacity.from_state`` against a real snapshot of the same state: its
+  own bytes are the slot's (each distinct piece once, in whole pages; a
+  replicated leaf once, not once a device)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import snapstore
+  from snapstore import capacity
+  from snapstore._index import align
+  from tests.helpers import only_store, opts
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  state = {"sharded": jax.device_put(jnp.ones((8, 1000), jnp.float32),
+                                     NamedSharding(mesh, P("d"))),
+           "replicated": jax.device_put(jnp.ones((3, 5), jnp.bfloat16),
+                                        NamedSharding(mesh, P())),
+           "one": jnp.arange(7, dtype=jnp.int32)}
+  (rows,) = [r for r in capacity.from_state(state, keep=1) if r.option == "replicas=0"]
+  with snapstore.SnapshotManager(opts(store_dir, keep=1, redundancy=snapstore.Replicas(0))
+                                 ) as mgr:
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+    (m,) = only_store(mgr).manifests()
+  assert rows.own == sum(align(r.nbytes) for r in m.pieces) == 10 * 4096
+  assert rows.snapshots == 2 and rows.total == 2 * rows.own
