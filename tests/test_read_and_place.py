@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -83,14 +84,19 @@ def test_a_failed_attempt_frees_the_leaves_it_placed_before_the_next_one(store_d
   accelerator they hold device memory the next attempt needs."""
   monkeypatch.setattr(_assemble, "GROUP_BYTES", 1)
   monkeypatch.setattr(peers, "_puts_copy", lambda targets: True)
-  shape = state(0)["w0"].shape
-  alive: list[tuple[int, int]] = []  # (step tried, its leaves alive as it starts)
-  real = peers.Solo.assemble
+  placed: dict[int, list[weakref.ref]] = {}  # step -> its attempt's placed leaves
+  alive: list[tuple[int, int]] = []  # (step tried, earlier attempts' leaves alive then)
+  real_assemble, real_leaf = peers.Solo.assemble, _assemble.Assembler.leaf
 
   def assemble(self, assembler, specs, targets):
     alive.append((assembler.plan.step,
-                  sum(a.shape == shape and not a.is_deleted() for a in jax.live_arrays())))
-    return real(self, assembler, specs, targets)
+                  sum(r() is not None for refs in placed.values() for r in refs)))
+    return real_assemble(self, assembler, specs, targets)
+
+  def leaf(self, leaf, target_spec, target):
+    got = real_leaf(self, leaf, target_spec, target)
+    placed.setdefault(self.plan.step, []).append(weakref.ref(got))
+    return got
   with snapstore.SnapshotManager(opts(store_dir, keep=2)) as mgr:
     for step in (1, 2):
       mgr.save(step, state(step))
@@ -104,6 +110,7 @@ def test_a_failed_attempt_frees_the_leaves_it_placed_before_the_next_one(store_d
       f.seek(last.offset + 5)
       f.write(bytes([b[0] ^ 0x10]))
     monkeypatch.setattr(peers.Solo, "assemble", assemble)
+    monkeypatch.setattr(_assemble.Assembler, "leaf", leaf)
     gc.collect()
     gc.disable()
     try:
@@ -112,8 +119,8 @@ def test_a_failed_attempt_frees_the_leaves_it_placed_before_the_next_one(store_d
       gc.enable()
   assert got.step == 1
   assert_bitwise_equal(host_copy(state(1)), got.state)
-  assert [s for s, _ in alive] == [2, 1], alive
-  assert alive[1][1] == alive[0][1], alive  # none of step 2's placed leaves left
+  assert len(placed[2]) == 7, placed  # w0..w6 placed before w7 failed
+  assert alive == [(2, 0), (1, 0)], alive  # none of them left when step 1 is tried
 
 
 def test_several_hosts_put_early_only_leaves_in_device_memory(store_dir, monkeypatch):
