@@ -269,8 +269,8 @@ def check_inline(extra_bytes: int, leaves: Sequence[Any]) -> None:
   """Raises UnsupportedExtraError if ``extra`` and the state's strings are
   more than a manifest carries inline (:data:`MAX_INLINE_BYTES`): a
   manifest over :data:`MAX_MANIFEST_BYTES` would be refused by every reader."""
-  strings = sum(len(v) for v in leaves if type(v) is str)  # (chars: at most 4 bytes each)
-  if extra_bytes + strings <= MAX_INLINE_BYTES // 4:
+  chars = sum(len(v) for v in leaves if type(v) is str)
+  if extra_bytes + 4 * chars <= MAX_INLINE_BYTES:  # (UTF-8: at most 4 bytes a character)
     return
   strings = sum(len(v.encode("utf-8")) for v in leaves if type(v) is str)
   if extra_bytes + strings > MAX_INLINE_BYTES:

@@ -131,12 +131,7 @@ class Saver:
       futures.wait([self.inflight])  # type: ignore[list-item]
       self.metrics.waited_busy += 1
       self.metrics.wait_seconds += time.perf_counter() - t
-    try:
-      self.raise_drain_error()
-    except errors.DrainFailedError as e:
-      if self.options.failure_policy is FailurePolicy.RAISE:
-        raise
-      self.store_failed(e.step if e.step is not None else step, e)  # (this step goes on)
+    self.settle()  # the last snapshot's failure: raised, or counted (this step goes on)
     t0 = time.perf_counter()
     faulting = _arena.faulting_seconds()  # a new slot is made here (host files)
     try:
@@ -309,7 +304,7 @@ class Saver:
     except errors.DrainFailedError as e:
       if self.options.failure_policy is FailurePolicy.RAISE:
         raise
-      self.store_failed(e.step if e.step is not None else -1, e)
+      self.store_failed(self.inflight_step, e)
       return e
     return None
 
