@@ -339,6 +339,7 @@ def link(mb: int, repeats: int) -> dict[str, Any]:
   import jax.numpy as jnp
 
   from snapstore import _jax_private
+  from snapstore._jax_compat import single_device_sharding
   dev = jax.devices()[0]
   total = mb << 20
   x = jax.device_put(np.arange(total // 4, dtype=np.float32), dev)
@@ -368,7 +369,7 @@ def link(mb: int, repeats: int) -> dict[str, Any]:
   copy = jax.jit(lambda xs: [jnp.array(a, copy=True) for a in xs])
   for kind in ("pinned_host", "unpinned_host"):
     try:
-      put = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
+      put = single_device_sharding(dev, memory_kind=kind)
       out[f"d2h_16_leaves_to_{kind}_gbps"] = _gbps(total, _best(
           lambda put=put: jax.device_put(leaves, [put] * len(leaves)), repeats))
       out[f"d2h_16_leaf_copies_to_{kind}_gbps"] = _gbps(total, _best(

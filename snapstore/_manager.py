@@ -16,7 +16,18 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from . import _backends, _faults, _fencing, _interval, _multihost, _planner, _restore, _save, errors
+from . import (
+    _backends,
+    _faults,
+    _fencing,
+    _interval,
+    _jax_compat,
+    _multihost,
+    _planner,
+    _restore,
+    _save,
+    errors,
+)
 from ._arena import ArenaCache
 from ._manifest import check_extra, check_inline
 from ._persistent import OrbaxTier
@@ -57,6 +68,7 @@ class SnapshotManager:
                slices: Mapping[int, Sequence[jax.Device]] | None = None):
     self.options = options or SnapshotOptions()
     self.host, self.num_hosts = jax.process_index(), jax.process_count()
+    _jax_compat.check_cpu_cache()  # (a warning where this jaxlib's cache hangs)
     self._copy_pool = futures.ThreadPoolExecutor(
         self.options.copy_threads, thread_name_prefix="snapstore-copy")
     self._backend: _backends.Backend[Any] = _backends.build(self.options.store, self.options,

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import _index, _jax_private, errors
 from ._index import Index
+from ._jax_compat import single_device_sharding
 
 SCALAR_TYPES = (bool, int, float, str)
 # Storage dtypes a snapshot may hold (a closed set: a manifest naming another
@@ -415,5 +416,5 @@ def target_sharding(target: Any) -> jax.sharding.Sharding:
   the first device)."""
   sharding = getattr(target, "sharding", None)
   if sharding is None:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return single_device_sharding(jax.devices()[0])
   return sharding

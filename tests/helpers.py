@@ -7,9 +7,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import snapstore
+from snapstore._jax_compat import single_device_sharding
 from snapstore.testing.checks import assert_bitwise_equal, host_copy
 
 __all__ = ["assert_bitwise_equal", "host_copy", "only_store", "opts", "shardings",
@@ -49,7 +50,7 @@ def slice_state(devices: list[jax.Device], step: int = 0) -> dict[str, jax.Array
       "tp": jax.device_put(tp, NamedSharding(mesh, P("replica", "model"))),
       "dp": jax.device_put(dp, NamedSharding(mesh, P(None, "model"))),
       "single": jax.device_put(jnp.full((3,), step, jnp.int32),
-                               SingleDeviceSharding(devices[0])),
+                               single_device_sharding(devices[0])),
       "rng": jax.device_put(jax.random.key(step), NamedSharding(mesh, P())),
   }
 

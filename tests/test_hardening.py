@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import snapstore
+from snapstore._jax_compat import single_device_sharding
 from snapstore._manifest import decode, encode
 from tests.helpers import assert_bitwise_equal, host_copy, only_store
 
@@ -443,7 +444,7 @@ def test_a_64_bit_leaf_is_not_narrowed_into_a_jax_array_without_x64(store_dir):
   red-team helper)."""
   assert not jax.config.jax_enable_x64
   state = {"f": np.linspace(0, 1, 5) / 3, "i": np.arange(4, dtype=np.int64) << 40}
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  sharding = single_device_sharding(jax.devices()[0])
   with snapstore.SnapshotManager(opts(store_dir)) as mgr:
     mgr.save(1, state)
     mgr.wait_until_finished()

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import (
   BudgetExceededError,
@@ -69,6 +69,7 @@ from .. import (
 from .._assemble import BadCopy
 from .._backends import Backend
 from .._index import to_slices
+from .._jax_compat import single_device_sharding
 from .._manifest import Manifest, PieceRecord
 from .._tree import flatten, tree_digest
 from .checks import assert_bitwise_equal, host_copy
@@ -147,8 +148,8 @@ def awkward_state(devices, step):
       "small": put(jnp.arange(15, dtype=jnp.int8).reshape(3, 5) - step, P()),
       "zero_d": put(jnp.float32(step) / 3, P()),
       "single": jax.device_put(jnp.arange(5, dtype=jnp.uint16) * step,
-                               SingleDeviceSharding(devices[-1])),
-      "key": jax.device_put(jax.random.key(step), SingleDeviceSharding(devices[0])),
+                               single_device_sharding(devices[-1])),
+      "key": jax.device_put(jax.random.key(step), single_device_sharding(devices[0])),
       "np": np.arange(6, dtype=np.int64).reshape(2, 3) * step,
       "np_scalar": np.float64(step + 0.25),
       "py": {"i": step, "f": 1 / 3, "s": f"step {step}", "b": True, "none": None},

@@ -39,6 +39,7 @@ from typing import Any
 
 from .. import _faults
 from .._backends import host_dir, read_progress
+from .._jax_compat import without_cpu_cache
 from .._reports import IN_PLACE_ENV, RESTART_EXIT_CODE
 
 logger = logging.getLogger(__name__)
@@ -392,6 +393,7 @@ class Supervisor:
                 SNAPSTORE_REPORT_DIR=str(job.report_dir),
                 SNAPSTORE_ATTEMPT=str(self.attempts[h]))
     penv.pop(_faults.ENV, None)
+    penv = without_cpu_cache(penv)  # (jaxlib 0.12.1's cached programs hang on CPU)
     self.armed[h] = _arming(self.pending, h)
     if self.armed[h]:
       penv[_faults.ENV] = ",".join(f"{k.phase}@{k.step}" + (":stop" if k.freeze else "")

@@ -23,7 +23,6 @@ from typing import Any, cast
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from ... import _parity
 from ..._assemble import Assembler, BadCopy
@@ -34,6 +33,7 @@ from ..._checksum import (
   shard_checksums,
 )
 from ..._index import Index
+from ..._jax_compat import single_device_sharding
 from ..._manifest import piece_row
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafKind, LeafSpec
@@ -187,7 +187,7 @@ class PinnedHostBackend(DomainStores):
         ok = got is not None
       else:  # (a device-summed copy is a jax.Array)
         on = device or device_of(cast(jax.Array, stored))
-        got = jax.device_put(stored, SingleDeviceSharding(on))
+        got = jax.device_put(stored, single_device_sharding(on))
         ok = as_checksum(device_checksum(got)) == tuple(rec.checksum)
     except (RuntimeError, KeyError) as e:  # JaxRuntimeError (slice lost), freed buffers
       # DATA_LOSS reading a host copy is its slice's memory gone (Pathways):

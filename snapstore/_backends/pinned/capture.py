@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 
 from ... import _faults, _jax_private, _parity
 from ..._checksum import (
@@ -41,6 +41,7 @@ from ..._checksum import (
   shard_checksums,
 )
 from ..._index import Index, align, nbytes as index_nbytes, normalize
+from ..._jax_compat import single_device_sharding
 from ..._placement import HolderLayout, holder_layout, shard_arrays
 from ..._tree import LeafKind, LeafSpec, Piece, positions
 from ...options import Staging
@@ -372,8 +373,8 @@ class _LeafPlacement:
 
 
 @functools.lru_cache(maxsize=4096)
-def _pinned_on(device: jax.Device) -> SingleDeviceSharding:
-  return SingleDeviceSharding(device, memory_kind=PINNED)
+def _pinned_on(device: jax.Device) -> jax.sharding.Sharding:
+  return single_device_sharding(device, memory_kind=PINNED)
 
 
 def _ring_sharding(sharding: jax.sharding.Sharding, ring: Ring, k: int

@@ -27,6 +27,7 @@ import numpy as np
 
 from ... import _faults, _planner
 from ..._arena import ArenaCache
+from ..._jax_compat import single_device_sharding
 from ..._manifest import Manifest, kept_copy
 from ..base import NO_PROGRESS, ProgressInMemory
 
@@ -118,7 +119,7 @@ class PinnedHostStore(ProgressInMemory):
     handles = self._handles.setdefault(slot, {})
     if position not in handles:
       handles[position] = jax.device_put(
-          held, jax.sharding.SingleDeviceSharding(device, memory_kind=PINNED), may_alias=True)
+          held, single_device_sharding(device, memory_kind=PINNED), may_alias=True)
     return handles[position]
 
   def _forget(self, slot: int) -> None:
