@@ -37,7 +37,7 @@ def single_device_sharding(device: jax.Device, *,
   import jax
   make = getattr(jax.sharding, "make_single_device_sharding", None)
   if make is not None:
-    return make(device, memory_kind=memory_kind)  # type: ignore[no-any-return]
+    return make(device, memory_kind=memory_kind)
   return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
 
 

@@ -11,12 +11,26 @@ import importlib
 import json
 import logging
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import _faults
+
+
+class _Stopped(BaseException):
+  """A stop signal, raised on the main thread so that every ``finally``
+  runs: the supervisor then kills the job's processes (``launch``)."""
+
+  def __init__(self, signum: int) -> None:
+    super().__init__(signum)
+    self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+  raise _Stopped(signum)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -229,4 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = p.parse_args(argv)
   logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                       format="%(levelname)s %(name)s: %(message)s")
-  return args.fn(args)
+  for stop in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(stop, _raise_stopped)
+  try:
+    return args.fn(args)
+  except (KeyboardInterrupt, _Stopped) as e:
+    signum = e.signum if isinstance(e, _Stopped) else int(signal.SIGINT)
+    print(f"snapstore {args.cmd}: stopped by {signal.Signals(signum).name}; every process it "
+          "started was stopped", file=sys.stderr)
+    return 128 + signum

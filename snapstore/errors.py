@@ -137,3 +137,17 @@ class MembersMissing(SnapstoreError, RuntimeError):
                since: float | None = None):
     super().__init__(message)
     self.processes, self.since = processes, since
+
+
+# The local supervisor (snapstore.testing.launch)
+
+class JobStalledError(SnapstoreError, TimeoutError):
+  """Every process of a job was alive, but no host advanced a step for the
+  watch period (:class:`snapstore.testing.StallPolicy`): the job was stopped
+  after each process wrote its Python stacks into its log. ``phase``: where
+  it stopped; ``logs``: each host's log; ``incarnation``: which run."""
+
+  def __init__(self, message: str, *, phase: str, incarnation: int,
+               logs: tuple[str, ...] = ()):
+    super().__init__(message)
+    self.phase, self.incarnation, self.logs = phase, incarnation, logs

@@ -158,7 +158,12 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
   with contextlib.ExitStack() as stack:
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="snapstore-demo-", dir=base))
-    stack.callback(shutil.rmtree, work, ignore_errors=True)
+    done: list[bool] = []  # (kept when a run fails: its logs hold the workers' stacks)
+
+    def clean() -> None:
+      if done:
+        shutil.rmtree(work, ignore_errors=True)
+    stack.callback(clean)
     env = {"JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     if persistent_dir is None:
@@ -174,6 +179,7 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
                         checkpoint_every=checkpoint_every, total_steps=total_steps,
                         step_s=step_s, replica_interval=replica_interval, env=env,
                         progress=progress)
+    done.append(True)
   plain = runs["gcs-only"]["step_s"]
   snap = float(np.median([runs[n]["step_s"] for n in RUNS if RUNS[n][0]]))
   out = {

@@ -16,6 +16,7 @@ side of it, and the conformance suite every snapshot backend passes.
   ``benchmarks.scale`` use them (not imported here).
 """
 
+from .stall import StallPolicy as StallPolicy
 from .supervisor import (
     Incarnation as Incarnation,
     Kill as Kill,
@@ -31,5 +32,5 @@ from .worker import (
     report_restore as report_restore,
 )
 
-__all__ = ["Incarnation", "Kill", "Supervisor", "global_digest", "in_place_from_env",
+__all__ = ["Incarnation", "Kill", "StallPolicy", "Supervisor", "global_digest", "in_place_from_env",
            "incarnation_from_env", "init_from_env", "launch", "report_digest", "report_restore"]

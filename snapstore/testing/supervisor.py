@@ -23,6 +23,8 @@ the others).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import json
 import logging
@@ -41,6 +43,8 @@ from .. import _faults
 from .._backends import host_dir, read_progress
 from .._jax_compat import without_cpu_cache
 from .._reports import IN_PLACE_ENV, RESTART_EXIT_CODE
+from ..errors import JobStalledError
+from .stall import StallPolicy, StallWatch
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ POLL_S = 0.02  # how often the supervisor reads PROGRESS and process states
 FENCE_POLL_S = 0.25  # how often it reads the survivors' reports of missing hosts
 #: how long a host must be reported missing, its process alive, before it is fenced
 FENCE_AFTER_S = 1.0
+PROGRESS_POLL_S = 0.25  # how often the stall watch reads every host's progress
+STACKS_WAIT_S = 1.5  # how long stalled processes get to write their stacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +185,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
            host_service: bool = True, max_replacements: int = 8,
            min_hosts: int | None = None,
            replacement_delay_s: float = 0.0,
-           teardown_delay_s: float = 0.0) -> list[Incarnation]:
+           teardown_delay_s: float = 0.0,
+           stall: StallPolicy | None = None) -> list[Incarnation]:
   """Runs ``python -m module args`` on ``num_hosts`` local processes until all
   exit 0, restarting the whole job after a failure (or, ``in_place``,
   replacing the failed host alone). The JAX coordination service listens
@@ -215,6 +222,15 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     teardown_delay_s: a full restart: after a host fails, the others run on
       this long (or until they exit) before the incarnation is torn down, as
       under a scheduler that notices a lost host seconds later.
+    stall: when a job whose processes all live but whose steps stopped is
+      called stalled (:class:`StallPolicy`; default: no step for
+      ``max(60 s, 20 x the median step)``, 120 s after a process started or
+      exited). Every process then writes its Python stacks into its log, the
+      job is stopped and :class:`snapstore.errors.JobStalledError` raised.
+
+  Each process's output goes to ``log_dir/inc<N>-host<H>.log``; a process
+  that the job no longer needs, or that runs when ``launch`` ends by an
+  exception (Ctrl-C, a signal the caller turned into one), is killed.
 
   Returns:
     One :class:`Incarnation` per run of the job, the last one succeeded.
@@ -223,17 +239,19 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     ValueError: ``min_hosts`` without ``in_place`` or out of range; a delay < 0.
     RuntimeError: the job still fails after ``max_incarnations``.
     TimeoutError: the job ran past ``timeout_s``.
+    JobStalledError: a ``TimeoutError``: the job stalled (``stall``).
   """
   _check_args(num_hosts, in_place, min_hosts, replacement_delay_s=replacement_delay_s,
               teardown_delay_s=teardown_delay_s)
   report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
   report_dir.mkdir(parents=True, exist_ok=True)
+  log_dir = log_dir or report_dir  # (the stall watch's stacks must land somewhere)
   job = _Job(module, list(args), devices_per_host, store_dir, run_id, list(kills),
              [k for k in kills if k.incarnation is None],  # fired in any incarnation
              time.monotonic() + timeout_s, timeout_s, report_dir,
              Path(log_dir) if log_dir else None, env or {}, bind_address, in_place,
              host_service, max_replacements, min_hosts, replacement_delay_s,
-             teardown_delay_s)
+             teardown_delay_s, StallWatch(stall or StallPolicy()))
   out: list[Incarnation] = []
   hosts = num_hosts
   for number in range(max_incarnations):
@@ -285,7 +303,8 @@ class _Job:
   max_replacements: int
   min_hosts: int | None
   replacement_delay_s: float
-  teardown_delay_s: float = 0.0
+  teardown_delay_s: float
+  watch: StallWatch  # the job's progress and step time, across incarnations
 
 
 class Supervisor:
@@ -311,6 +330,7 @@ class Supervisor:
     self.extra_env: dict[str, str] = {}
     self.failed = False
     self.failed_at: float | None = None  # time.monotonic() of the first failure
+    self.logs: dict[int, Path] = {}  # each host's current log
 
   def run(self) -> tuple[Incarnation, bool]:
     """Runs the incarnation; returns it and whether it failed."""
@@ -324,7 +344,7 @@ class Supervisor:
       self._serve()
       self.procs = {h: self._start(h) for h in range(self.hosts)}
       self.started = dict.fromkeys(self.procs, time.time())
-      fence_at = 0.0
+      fence_at = progress_at = 0.0
       while self.procs.keys() - inc.exit_codes.keys():
         if time.monotonic() > job.deadline:
           for p in self.procs.values():
@@ -339,6 +359,9 @@ class Supervisor:
           fence_at = now + FENCE_POLL_S
           _fence(inc, self.procs, self.started, job.report_dir, now)
         self._reap()
+        if now >= progress_at:
+          progress_at = now + PROGRESS_POLL_S
+          self._watch_progress(now)
         if self.failed and self.failed_at is None:
           self.failed_at = time.monotonic()
         if (self.failed_at is not None
@@ -355,11 +378,50 @@ class Supervisor:
           p.kill()
           p.wait()
     finally:
+      self._kill_all("launch is ending")
       if self.service is not None:
         self.service.shutdown()
       reservation.close()
     self._finish()
     return inc, self.failed
+
+  def _watch_progress(self, now: float) -> None:
+    """Feeds the stall watch every host's progress; with every process
+    alive and none of it for the watch period, stops the job (:mod:`.stall`)."""
+    job, inc = self.job, self.inc
+    job.watch.observe({h: read_progress(host_dir(job.store_dir, job.run_id, h))
+                       for h in range(self.hosts)}, now)
+    quiet = job.watch.stalled_for(now)
+    if (quiet is None or self.due_at or self.failed
+        or any(p.poll() is not None for p in self.procs.values())):
+      return
+    phase = job.watch.phase()
+    live = [p for p in self.procs.values() if p.poll() is None]
+    for p in live:  # every thread's Python stack into its log (._boot)
+      with contextlib.suppress(ProcessLookupError):
+        if _stopped(p.pid):  # (a frozen host: let it write too)
+          p.send_signal(signal.SIGCONT)
+        p.send_signal(signal.SIGUSR1)
+    time.sleep(STACKS_WAIT_S)
+    self._kill_all("stalled")
+    logs = tuple(str(self.logs[h]) for h in sorted(self.logs))
+    raise JobStalledError(
+        f"job stalled in incarnation {inc.number}: every process alive, no host advanced "
+        f"for {quiet:.0f} s (watch period {job.watch.period_s():.0f} s); phase: {phase}. "
+        f"Stopped; each process's Python stacks are at the end of its log in {job.log_dir}",
+        phase=phase, incarnation=inc.number, logs=logs)
+
+  def _kill_all(self, why: str) -> None:
+    """Kills every process of this incarnation that still runs, and says so."""
+    live = {h: p for h, p in self.procs.items() if p.poll() is None}
+    for p in live.values():
+      with contextlib.suppress(ProcessLookupError):
+        p.kill()
+    for p in live.values():
+      p.wait()
+    if live:
+      logger.warning("incarnation %d: %s: killed the job's processes %s (hosts %s)",
+                     self.inc.number, why, [p.pid for p in live.values()], sorted(live))
 
   def _report(self, kind: str) -> Path:
     return self.job.report_dir / f"{kind}-inc{self.inc.number}.json"
@@ -400,12 +462,13 @@ class Supervisor:
                                    for k in self.armed[h])
     name = f"inc{self.inc.number}-host{h}" + (f"-r{self.attempts[h]}" if self.attempts[h]
                                                else "")
-    cmd = [sys.executable, "-m", job.module, *job.args]
-    if job.log_dir is None:
-      return subprocess.Popen(cmd, env=penv, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT)
-    with open(job.log_dir / f"{name}.log", "wb") as log:  # the child keeps its copy
-      return subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "-m", "snapstore.testing._boot", job.module, *job.args]
+    assert job.log_dir is not None  # (launch defaults it)
+    self.logs[h] = job.log_dir / f"{name}.log"
+    job.watch.event(time.monotonic())
+    with open(self.logs[h], "wb") as log:  # the child keeps its copy
+      return subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT,
+                              preexec_fn=_die_with_parent)
 
   def _fire_due_kills(self, now: float) -> None:
     """The supervisor's kills whose host reported their step (``delay_s``
@@ -466,6 +529,7 @@ class Supervisor:
         _fired(freeze, self.pending, job.carried)
       if h in inc.exit_codes or p.poll() is None:
         continue
+      job.watch.event(time.monotonic())
       code = p.returncode
       fenced = any(f["pid"] == p.pid for f in inc.fenced)
       if self.armed.get(h) and code == -signal.SIGKILL and p.pid not in self.sent \
@@ -516,6 +580,20 @@ class Supervisor:
           f"kill {k} never fired: host {k.host} never reported step {k.step} in "
           f"{host_dir(job.store_dir, job.run_id, k.host)}. Is that the worker's store "
           "(--store-dir, --run-id), and does the job reach that step?")
+
+
+try:  # (loaded here: a forked child must not dlopen while another thread may hold its lock)
+  _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+except (OSError, AttributeError):
+  _PRCTL = None
+
+
+def _die_with_parent() -> None:
+  """In a worker, before it runs (Linux): SIGKILL when the supervisor's
+  thread that started it ends, so that no worker outlives a supervisor that
+  was killed."""
+  if _PRCTL is not None:
+    _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _arming(pending: Sequence[Kill], h: int) -> list[Kill]:
