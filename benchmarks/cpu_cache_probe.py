@@ -4,8 +4,10 @@
 transformer: 39 all-gathers, 2 collective-permutes, 2 all-reduces) on
 ``--hosts`` processes x 2 CPU devices (``jax.distributed``, gloo), five
 steps, run twice with one persistent compilation cache: the first run
-compiles and writes the cache, the second loads the step from it. Nothing
-of snapstore runs but the demo's model. Prints JSON: for each run, whether
+compiles and writes the cache, the second loads the step from it in
+process 0 (JAX writes the cache from process 0 and keys it by each process's
+own topology: the others compile again). Nothing of snapstore runs but the
+demo's model. Prints JSON: for each run, whether
 every process ended within ``--timeout-s`` and how long it took, and
 ``cached_run_hangs``. On jaxlib 0.12.1 (2026-12-07, a 2-core VM): the first
 run 20.9 s, the second hung (killed at 60 s), 2 of 2; on 0.12.0.1 both ran

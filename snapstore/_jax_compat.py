@@ -3,11 +3,14 @@
 - ``jax.sharding.SingleDeviceSharding`` is deprecated in jax 0.12.1 in favour
   of ``make_single_device_sharding`` and ``is_single_device_sharding``
   (the latter new in 0.12.1); older releases have only the class.
-- jaxlib 0.12.1 runs the collectives of a CPU executable loaded from the
-  persistent compilation cache in a different order on different devices,
-  so a multi-process CPU job (gloo) that loads a cached program with
-  several collectives hangs in its first call (``docs/limits.md``, the
-  reproduction: ``python -m benchmarks.cpu_cache_probe``).
+- jaxlib 0.12.1 hangs a multi-process CPU job (gloo) whose processes run
+  one collective program under different run ids; with the persistent
+  compilation cache on, process 0 loads a program from it while the others
+  compile it (JAX keys the cache by each process's own topology and writes
+  it from process 0 only), and the loaded executable's fingerprint, so its
+  run id, differs: every restarted job hangs in its first step
+  (``docs/limits.md``; the reproduction: ``python -m
+  benchmarks.cpu_cache_probe``).
   :func:`cpu_cache_hangs` says whether this jaxlib is one of those.
 """
 
@@ -64,9 +67,9 @@ def jaxlib_version() -> tuple[int, ...]:
 
 
 def cpu_cache_hangs() -> bool:
-  """Whether this jaxlib's cached CPU executables may run collectives out of
-  order across devices (module doc): then a multi-process CPU job must not
-  load programs from the persistent compilation cache."""
+  """Whether a multi-process CPU job on this jaxlib hangs when one process
+  loads a program from the persistent compilation cache and the others
+  compile it (module doc): then such a job must not use the cache."""
   return jaxlib_version()[:3] >= CPU_CACHE_HANG_SINCE
 
 
@@ -84,8 +87,9 @@ def without_cpu_cache(env: dict[str, str]) -> dict[str, str]:
 def _warn_once(where: str) -> None:
   logger.warning(
       "jaxlib %s: the persistent compilation cache (%s=%s) is left out of this multi-process "
-      "CPU job: a cached program with several collectives hangs in its first call on this "
-      "jaxlib (docs/limits.md). Restarted processes compile their programs again.",
+      "CPU job: a program loaded from it by one process and compiled by the others hangs in "
+      "its first collective on this jaxlib (docs/limits.md). Restarted processes compile "
+      "their programs again.",
       ".".join(map(str, jaxlib_version())), CACHE_ENV, where)
 
 

@@ -122,7 +122,7 @@ def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) 
 
 
 def _launch(args: argparse.Namespace) -> int:
-  from .testing import launch
+  from .testing import StallPolicy, launch
   cmd = list(args.command)
   if cmd and cmd[0] == "--":
     cmd = cmd[1:]
@@ -136,7 +136,8 @@ def _launch(args: argparse.Namespace) -> int:
                   shrink_to=args.shrink_to, max_incarnations=args.max_incarnations,
                   timeout_s=args.timeout, log_dir=args.log_dir,
                   bind_address=args.bind_address, in_place=args.in_place,
-                  min_hosts=args.min_hosts, replacement_delay_s=args.replacement_delay)
+                  min_hosts=args.min_hosts, replacement_delay_s=args.replacement_delay,
+                  stall=StallPolicy(period_s=args.stall_s))
   except (RuntimeError, TimeoutError, ValueError) as e:
     print(f"snapstore launch: {e}", file=sys.stderr)
     return 1
@@ -198,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "is up to this many steps)")
   d.add_argument("--persistent-dir", default=None,
                  help="Orbax directory (default: gs:// on a local GCS emulator)")
+  d.add_argument("--runs", type=int, default=1, metavar="N",
+                 help="run the three-way comparison N times; the table and ratios give "
+                      "medians (and min-max) over the rounds")
   d.add_argument("--report", default="demo-report.json")
   d.add_argument("--plot", default="demo-timeline.png")
   d.set_defaults(fn=_demo)
@@ -232,6 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   la.add_argument("--replacement-delay", type=float, default=0.0, metavar="S",
                   help="start a dead host's replacement S seconds later (no spare host at "
                   "once); without --in-place, the restarted job waits that long")
+  la.add_argument("--stall-s", type=float, default=None, metavar="S",
+                  help="stop the job when every process is alive and no host advanced a "
+                  "step for S seconds, after writing each process's Python stacks into its "
+                  "log (default: max(60 s, 20 x the median step); 120 s after a process "
+                  "started or exited)")
   la.add_argument("--json", default=None, help="write the incarnation report here")
   la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
   la.set_defaults(fn=_launch)

@@ -108,3 +108,14 @@ def test_the_version_is_the_changelogs_newest():
   version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
   released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (ROOT / "CHANGELOG.md").read_text(), re.M)
   assert released and released[0] == version == snapstore.__version__
+
+
+def test_ci_runs_the_readme_set_up_commands_as_written():
+  """Each part of the README's two set-up commands (demo, tests) is a line
+  of ``.ci/run`` as written: CI installs and runs what a new user does."""
+  (setup,) = _blocks(README.read_text(), "bash")[:1]
+  ci = {line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()}
+  ci = {line.replace("$REQ", "requirements/maxtext-0.2.5-cpu.txt") for line in ci}
+  for command in setup.strip().splitlines():
+    for part in command.split("#")[0].split("&&"):
+      assert part.strip() in ci, f".ci/run does not run the README's {part.strip()!r}"

@@ -58,6 +58,8 @@ def _last_digest(out: Path, number: int, step: int) -> str:
   return json.loads((out / f"inc{number}-host0.json").read_text())["digests"][str(step)]
 
 
+@pytest.mark.soak  # ~7 minutes each here: CI runs it on the newest releases (-m soak)
+@pytest.mark.timeout(RESTARTS * 60)
 @pytest.mark.parametrize("source", ["persistent", "snapshot"])
 def test_thirty_restarts_in_a_row_each_train_again_beside_a_busy_loop(
     source, tmp_path, shm_store, cpu_hog):
@@ -80,14 +82,15 @@ def test_thirty_restarts_in_a_row_each_train_again_beside_a_busy_loop(
   incs = launch("snapstore.demo.worker", _worker_args(out, shm_store / source, steps, *extra),
                 num_hosts=HOSTS, devices_per_host=2, store_dir=shm_store / source,
                 run_id="job", kills=kills, max_incarnations=RESTARTS + 1, env=_env(cache),
-                log_dir=out, timeout_s=RESTARTS * 60)
+                log_dir=out, timeout_s=RESTARTS * 50)
   assert len(incs) == RESTARTS + 1 and incs[-1].ok, [i.failure for i in incs]
   assert [i.killed for i in incs[:-1]] == [[i % HOSTS] for i in range(RESTARTS)]
   for inc in incs[1:]:  # each restart restored, from where it was asked to
     assert inc.restore is not None and inc.restore["source"] == source, inc.as_dict()
-  for inc in incs[1:-1]:  # and trained past it before its kill
-    trained = json.loads((out / f"inc{inc.number}-host0.json").read_text())["losses"]
-    assert max(map(int, trained)) > inc.restore["step"], (inc.number, inc.restore)
+  # ... and trained past it: incarnation i is killed once a host reports step
+  # i + 2 (its save of that step), which only a step it trained can write
+  for inc in incs[1:-1]:
+    assert inc.restore["step"] < inc.number + 2, (inc.number, inc.restore)
   assert _last_digest(out, incs[-1].number, steps) == _last_digest(ref_out, 0, steps)
   assert ref[-1].ok
 

@@ -38,7 +38,7 @@ from .._backends import host_dir, read_progress
 from ..testing import Incarnation, Kill, launch
 
 HOSTS, DEVICES_PER_HOST, KILLED_HOST = 4, 2, 1
-Progress = Callable[[str, int], None]
+Progress = Callable[[str, int, int], None]  # (run, step, round)
 
 
 RUNS = {  # name -> (snapshots, in place)
@@ -50,7 +50,8 @@ RUNS = {  # name -> (snapshots, in place)
 
 def _run(name: str, *, work: Path, persistent: str, snapshots: bool, in_place: bool,
          kill_step: int, checkpoint_every: int, total_steps: int, step_s: float,
-         replica_interval: int, env: dict[str, str], progress: Progress) -> dict[str, Any]:
+         replica_interval: int, env: dict[str, str],
+         progress: Callable[[str, int], None]) -> dict[str, Any]:
   out = work / name
   out.mkdir()
   store = work / f"store-{name}"
@@ -149,45 +150,80 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
              persistent_dir: str | None = None,
              report: str = "demo-report.json",
              plot: str = "demo-timeline.png",
-             progress: Progress = lambda run, s: None) -> dict[str, Any]:
+             rounds: int = 1,
+             progress: Progress = lambda run, s, i: None) -> dict[str, Any]:
+  """Runs the three-way demo ``rounds`` times (module doc). Returns the
+  first round's report (``runs``: each run's figures; the timeline plot is
+  of it), with ``rounds`` (every round's) and ``summary`` (each figure's
+  median, min and max over the rounds); writes it to ``report``."""
   if not 0 < kill_step < total_steps:
     raise ValueError(f"need 0 < kill_step ({kill_step}) < total_steps ({total_steps})")
   if kill_step % checkpoint_every == 0:
     raise ValueError(f"kill_step {kill_step} is a checkpoint step; pick another")
+  if rounds < 1:
+    raise ValueError(f"rounds must be >= 1, got {rounds}")
   from .gcs_emulator import GcsEmulator
   with contextlib.ExitStack() as stack:
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="snapstore-demo-", dir=base))
-    done: list[bool] = []  # (kept when a run fails: its logs hold the workers' stacks)
+    failed: list[BaseException] = []  # (kept when a run fails: its logs hold the stacks)
 
     def clean() -> None:
-      if done:
+      if not failed:
         shutil.rmtree(work, ignore_errors=True)
     stack.callback(clean)
-    env = {"JAX_COMPILATION_CACHE_DIR": str(work / "jax-cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env: dict[str, str] = {}
     if persistent_dir is None:
       gcs = stack.enter_context(GcsEmulator(bucket="ckpt"))
       env.update(gcs.env())
       where = lambda run: gcs.url(f"demo-{os.getpid()}-{run}")  # noqa: E731
     else:
       where = lambda run: str(Path(persistent_dir, run).absolute())  # noqa: E731
-    runs = {}
-    for name, (snapshots, in_place) in RUNS.items():
-      runs[name] = _run(name, work=work, persistent=where(name), snapshots=snapshots,
-                        in_place=in_place, kill_step=kill_step,
-                        checkpoint_every=checkpoint_every, total_steps=total_steps,
-                        step_s=step_s, replica_interval=replica_interval, env=env,
-                        progress=progress)
-    done.append(True)
-  plain = runs["gcs-only"]["step_s"]
-  snap = float(np.median([runs[n]["step_s"] for n in RUNS if RUNS[n][0]]))
+    done: list[dict[str, Any]] = []
+    try:
+      for i in range(rounds):
+        here = work / f"round-{i}" if rounds > 1 else work
+        here.mkdir(exist_ok=True)
+        # each round with its own compilation cache: the rounds start alike
+        cache = {"JAX_COMPILATION_CACHE_DIR": str(here / "jax-cache"),
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+        runs = {}
+
+        def round_progress(run: str, step: int, i: int = i) -> None:
+          progress(run, step, i)
+        for name, (snapshots, in_place) in RUNS.items():
+          tag = f"{name}-{i}" if rounds > 1 else name
+          runs[name] = _run(name, work=here, persistent=where(tag), snapshots=snapshots,
+                            in_place=in_place, kill_step=kill_step,
+                            checkpoint_every=checkpoint_every, total_steps=total_steps,
+                            step_s=step_s, replica_interval=replica_interval,
+                            env={**env, **cache},
+                            progress=round_progress)
+        done.append(_compare(runs))
+    except Exception as e:
+      failed.append(e)
+      raise
   out = {
       "hosts": HOSTS, "devices_per_host": DEVICES_PER_HOST, "killed_host": KILLED_HOST,
       "kill_step": kill_step, "checkpoint_every": checkpoint_every,
       "replica_interval": replica_interval,
       "total_steps": total_steps, "min_step_s": step_s,
       "persistent": "gcs-emulator" if persistent_dir is None else persistent_dir,
+      **done[0],
+      "final_states_equal": all(r["final_states_equal"] for r in done),
+      "rounds": done, "summary": _summary(done),
+  }
+  Path(report).write_text(json.dumps(out, indent=2))
+  _plot(done[0]["runs"], kill_step, plot)
+  out["report"], out["plot"] = str(Path(report).absolute()), str(Path(plot).absolute())
+  return out
+
+
+def _compare(runs: dict[str, Any]) -> dict[str, Any]:
+  """One round's three runs side by side: ratios to the GCS-only run."""
+  plain = runs["gcs-only"]["step_s"]
+  snap = float(np.median([runs[n]["step_s"] for n in RUNS if RUNS[n][0]]))
+  return {
       "runs": runs,
       "final_states_equal": len({r["final_digest"] for r in runs.values()}) == 1,
       "kill_to_first_new_step_vs_gcs_only": {
@@ -198,9 +234,27 @@ def run_demo(*, kill_step: int = 58, checkpoint_every: int = 30, total_steps: in
       "snapshot_overhead_by_run": {n: runs[n]["step_s"] / plain - 1.0
                                    for n in RUNS if RUNS[n][0]},
   }
-  Path(report).write_text(json.dumps(out, indent=2))
-  _plot(runs, kill_step, plot)
-  out["report"], out["plot"] = str(Path(report).absolute()), str(Path(plot).absolute())
+
+
+#: the figures summarized over rounds: name -> (where in a round, per run)
+SUMMARY = {
+    "kill_to_first_new_step_s": lambda r, n: r["runs"][n]["kill_to_first_new_step_s"],
+    "kill_to_first_new_step_vs_gcs_only": lambda r, n: r["kill_to_first_new_step_vs_gcs_only"][n],
+    "wall_to_final_step_s": lambda r, n: r["runs"][n]["wall_to_final_step_s"],
+    "rewind_steps": lambda r, n: r["runs"][n]["rewind_steps"],
+    "step_s": lambda r, n: r["runs"][n]["step_s"],
+    "step_overhead_vs_gcs_only": lambda r, n: r["runs"][n]["step_s"] / r["step_s_without"] - 1,
+}
+
+
+def _summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+  """Each :data:`SUMMARY` figure of each run: median, min and max over the rounds."""
+  out: dict[str, dict[str, dict[str, float]]] = {}
+  for key, get in SUMMARY.items():
+    out[key] = {}
+    for name in RUNS:
+      vals = [float(get(r, name)) for r in rounds]
+      out[key][name] = {"median": float(np.median(vals)), "min": min(vals), "max": max(vals)}
   return out
 
 

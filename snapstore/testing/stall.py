@@ -83,6 +83,9 @@ class StallWatch:
     """Each host's (newest step saved, its incarnation) as read now."""
     if dict(progress) == self._seen:
       return
+    if not self._seen:  # the first reading: what was there before, no progress
+      self._seen = dict(progress)
+      return
     self._seen = dict(progress)
     self._since = now
     self._advances += 1
