@@ -159,6 +159,43 @@ def _launch(args: argparse.Namespace) -> int:
   return 0
 
 
+def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+  """The ``launch`` command's arguments."""
+  la = sub.add_parser("launch", help="run a training module on N local host processes, "
+                      "restart it on failure, inject SIGKILLs")
+  la.add_argument("--hosts", type=int, default=4)
+  la.add_argument("--devices-per-host", type=int, default=2)
+  la.add_argument("--store-dir", default="/dev/shm/snapstore")
+  la.add_argument("--run-id", default="job")
+  la.add_argument("--kill", type=_parse_kill, action="append", default=[],
+                  help="HOST@STEP[:PHASE][+lose][/INCARNATION]; PHASE one of "
+                  f"{', '.join(_faults.PHASES)}; +lose wipes the host's store")
+  la.add_argument("--shrink-to", type=int, default=None, help="restart on fewer hosts")
+  la.add_argument("--max-incarnations", type=int, default=3)
+  la.add_argument("--timeout", type=float, default=600.0)
+  la.add_argument("--log-dir", default=None)
+  la.add_argument("--bind-address", default="127.0.0.1",
+                  help="where the JAX coordination service listens (loopback by default; "
+                       "a cluster-facing address for real clusters)")
+  la.add_argument("--in-place", action="store_true",
+                  help="survivors keep running; only a dead host is restarted "
+                  "(snapstore.recovery; the worker must use recovery.InPlace)")
+  la.add_argument("--min-hosts", type=int, default=None,
+                  help="with --in-place: go on while at least N hosts are live, without "
+                  "waiting for a replacement, and grow back when it joins")
+  la.add_argument("--replacement-delay", type=float, default=0.0, metavar="S",
+                  help="start a dead host's replacement S seconds later (no spare host at "
+                  "once); without --in-place, the restarted job waits that long")
+  la.add_argument("--stall-s", type=float, default=None, metavar="S",
+                  help="stop the job when every process is alive and no host advanced a "
+                  "step for S seconds, after writing each process's Python stacks into its "
+                  "log (default: max(60 s, 20 x the median step); 120 s after a process "
+                  "started or exited)")
+  la.add_argument("--json", default=None, help="write the incarnation report here")
+  la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
+  la.set_defaults(fn=_launch)
+
+
 def _add_capacity(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
   """The ``capacity`` command's arguments."""
   pl = sub.add_parser("capacity", help="host RAM per redundancy option (replicas, parity) "
@@ -211,39 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   i.add_argument("--run-id", default=None, help="default: the store folder's name")
   i.add_argument("--verify", action="store_true", help="re-check every piece's crc32c")
   i.set_defaults(fn=_inspect)
-  la = sub.add_parser("launch", help="run a training module on N local host processes, "
-                      "restart it on failure, inject SIGKILLs")
-  la.add_argument("--hosts", type=int, default=4)
-  la.add_argument("--devices-per-host", type=int, default=2)
-  la.add_argument("--store-dir", default="/dev/shm/snapstore")
-  la.add_argument("--run-id", default="job")
-  la.add_argument("--kill", type=_parse_kill, action="append", default=[],
-                  help="HOST@STEP[:PHASE][+lose][/INCARNATION]; PHASE one of "
-                  f"{', '.join(_faults.PHASES)}; +lose wipes the host's store")
-  la.add_argument("--shrink-to", type=int, default=None, help="restart on fewer hosts")
-  la.add_argument("--max-incarnations", type=int, default=3)
-  la.add_argument("--timeout", type=float, default=600.0)
-  la.add_argument("--log-dir", default=None)
-  la.add_argument("--bind-address", default="127.0.0.1",
-                  help="where the JAX coordination service listens (loopback by default; "
-                       "a cluster-facing address for real clusters)")
-  la.add_argument("--in-place", action="store_true",
-                  help="survivors keep running; only a dead host is restarted "
-                  "(snapstore.recovery; the worker must use recovery.InPlace)")
-  la.add_argument("--min-hosts", type=int, default=None,
-                  help="with --in-place: go on while at least N hosts are live, without "
-                  "waiting for a replacement, and grow back when it joins")
-  la.add_argument("--replacement-delay", type=float, default=0.0, metavar="S",
-                  help="start a dead host's replacement S seconds later (no spare host at "
-                  "once); without --in-place, the restarted job waits that long")
-  la.add_argument("--stall-s", type=float, default=None, metavar="S",
-                  help="stop the job when every process is alive and no host advanced a "
-                  "step for S seconds, after writing each process's Python stacks into its "
-                  "log (default: max(60 s, 20 x the median step); 120 s after a process "
-                  "started or exited)")
-  la.add_argument("--json", default=None, help="write the incarnation report here")
-  la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
-  la.set_defaults(fn=_launch)
+  _add_launch(sub)
   _add_capacity(sub)
   b = sub.add_parser("bench", help="run benchmarks/NAME.py (from the repository root)")
   b.add_argument("name")

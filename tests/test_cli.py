@@ -60,7 +60,7 @@ def test_a_new_process_is_armed_with_its_phase_kills_and_a_restore_kill_only_nex
   """A host's process is armed with its pending phase kills, earliest step
   first; a kill in its restore only when that is the host's next fault (it
   models a second fault inside the recovery of the one before)."""
-  from snapstore.testing.supervisor import _arming
+  from snapstore.testing.kills import _arming
   first = Kill(1, 6, incarnation=None)  # a supervisor kill: not armed in the process
   again = Kill(1, -1, incarnation=None, phase="restore")
   later = Kill(1, 12, incarnation=None, phase="manifest")

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 
 RESTARTS = 30
 HOSTS = 2
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 @pytest.fixture
@@ -97,30 +99,29 @@ def test_thirty_restarts_in_a_row_each_train_again_beside_a_busy_loop(
 
 def test_a_job_stuck_in_a_collective_fails_within_its_watch_with_every_stack(
     tmp_path, shm_store):
-  """Host 1 freezes (SIGSTOP) after step 3: hosts 0, 2 and 3 block inside
-  the next step's collectives, every process alive. The stall watch (no
-  step for max(10 s, 20 x the median step)) stops the job: a
-  JobStalledError naming the training phase, each process's Python stacks
-  at the end of its log, no process of the job left. The job's timeout
+  """Host 1 stops in Python before step 4 (alive, heartbeating, never
+  joining the step's collectives: ``tests/_hang_worker.py``); hosts 0, 2
+  and 3 block inside that step's collectives, and JAX sees nothing wrong.
+  The stall watch (no step for max(10 s, 20 x the median step)) stops the
+  job: a JobStalledError naming the training phase and step 3, each
+  process's Python stacks at the end of its log (the three inside the train
+  step, host 1 in its sleep), no process of the job left. The job's timeout
   (10 minutes) is never reached."""
   out = tmp_path / "out"
   out.mkdir()
-  policy = StallPolicy(min_s=10.0, startup_s=120.0)
   began = time.monotonic()
   with pytest.raises(JobStalledError) as err:
-    launch("snapstore.demo.worker", _worker_args(out, shm_store, 50, "--hosts-per-domain", "2"),
-           num_hosts=4, devices_per_host=2, store_dir=shm_store, run_id="job",
-           kills=[Kill(host=1, step=3, freeze=True)], log_dir=out, timeout_s=600,
-           stall=policy)
+    launch("tests._hang_worker", _worker_args(out, shm_store, 50, "--hosts-per-domain", "2"),
+           num_hosts=4, devices_per_host=2, store_dir=shm_store, run_id="job", log_dir=out,
+           timeout_s=600, stall=StallPolicy(min_s=10.0),
+           env={**ENV, "HANG_HOST": "1", "HANG_STEP": "4"})
   e = err.value
-  assert e.phase.startswith("training") and e.incarnation == 0, e.phase
-  assert time.monotonic() - began < 600
-  assert len(e.logs) == 4
-  for log in e.logs:
-    text = Path(log).read_text(errors="replace")
-    assert "most recent call first" in text, log  # faulthandler's stack dump
-  stuck = [Path(log).read_text(errors="replace") for log in e.logs]
-  assert sum("_Worker.train" in t or "in train" in t for t in stuck) >= 3
+  assert e.phase.startswith("training: no host went past step 3"), e.phase
+  assert e.incarnation == 0 and time.monotonic() - began < 600
+  stacks = {h: Path(log).read_text(errors="replace") for h, log in enumerate(e.logs)}
+  assert len(stacks) == 4 and all("most recent call first" in t for t in stacks.values())
+  assert "_train_or_hang" in stacks[1]
+  assert all(" in train\n" in stacks[h] for h in (0, 2, 3)), stacks[0][-3000:]
   assert not _job_processes(shm_store), "a process of the stalled job survived"
 
 

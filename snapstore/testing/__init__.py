@@ -16,13 +16,9 @@ side of it, and the conformance suite every snapshot backend passes.
   ``benchmarks.scale`` use them (not imported here).
 """
 
+from .kills import Incarnation as Incarnation, Kill as Kill
 from .stall import StallPolicy as StallPolicy
-from .supervisor import (
-    Incarnation as Incarnation,
-    Kill as Kill,
-    Supervisor as Supervisor,
-    launch as launch,
-)
+from .supervisor import Supervisor as Supervisor, launch as launch
 from .worker import (
     global_digest as global_digest,
     in_place_from_env as in_place_from_env,

@@ -29,7 +29,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -44,125 +43,24 @@ from .._backends import host_dir, read_progress
 from .._jax_compat import without_cpu_cache
 from .._reports import IN_PLACE_ENV, RESTART_EXIT_CODE
 from ..errors import JobStalledError
+from .kills import (
+    Incarnation,
+    Kill,
+    _arming,
+    _fence,
+    _fired,
+    _record_kill,
+    _restart_reason,
+    _stopped,
+)
 from .stall import StallPolicy, StallWatch
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how often the supervisor reads PROGRESS and process states
 FENCE_POLL_S = 0.25  # how often it reads the survivors' reports of missing hosts
-#: how long a host must be reported missing, its process alive, before it is fenced
-FENCE_AFTER_S = 1.0
 PROGRESS_POLL_S = 0.25  # how often the stall watch reads every host's progress
 STACKS_WAIT_S = 1.5  # how long stalled processes get to write their stacks
-
-
-@dataclasses.dataclass(frozen=True)
-class Kill:
-  """SIGKILL ``host`` in incarnation ``incarnation`` once it reaches ``step``.
-
-  ``incarnation`` None: in whichever incarnation gets there, the kills in
-  the order given (a soak's faults, where a recovery may heal in place or
-  restart in full). A kill not fired by the incarnation that ends the job
-  is an error.
-
-  ``freeze``: SIGSTOP instead (a host that hangs: alive, silent, never
-  resumed; :func:`launch` fences it in place, see there); with a phase the
-  process stops itself there.
-
-  ``phase`` None: the supervisor kills it when its store's PROGRESS reports
-  ``step`` (it is then in that step's save or the next train step), or
-  ``delay_s`` seconds later: a real host fails at any moment, not in step with
-  the job's progress file. A phase (``step``, ``capture``, ``replica``,
-  ``manifest``, ``persistent``, ``restore``; see ``_faults``): the process
-  SIGKILLs itself at that point of that step. Kills of one incarnation at
-  the same step fire together. ``lose_store`` also wipes the host's RAM
-  store (a replaced machine).
-  """
-
-  host: int
-  step: int
-  incarnation: int | None = 0
-  lose_store: bool = False
-  phase: str | None = None
-  delay_s: float = 0.0
-  freeze: bool = False
-
-  def __post_init__(self) -> None:
-    if not 0.0 <= self.delay_s < float("inf"):
-      raise ValueError(f"delay_s must be a finite number >= 0, got {self.delay_s!r}")
-    if self.delay_s and self.phase is not None:
-      raise ValueError("delay_s is for supervisor kills; a phase kill fires at its phase")
-    if self.phase is not None and self.phase not in _faults.PHASES:
-      raise ValueError(f"unknown phase {self.phase!r}; one of {_faults.PHASES}")
-
-
-@dataclasses.dataclass
-class Incarnation:
-  """One run of the whole job, as the supervisor saw it."""
-
-  number: int
-  num_hosts: int
-  started: float
-  ended: float = 0.0
-  exit_codes: dict[int, int] = dataclasses.field(default_factory=dict)
-  killed: list[int] = dataclasses.field(default_factory=list)
-  kill_time: float | None = None
-  restore: dict[str, Any] | None = None  # host 0's first RestoreResult.summary()
-  restores: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # all of them
-  replaced: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # in place
-  fenced: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # hung, killed
-  fallback: str | None = None  # why an in-place job restarted in full
-  resizes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # ran short, grew
-  unreplaced: list[int] = dataclasses.field(default_factory=list)  # the job ended first
-  digests: dict[str, str] = dataclasses.field(default_factory=dict)  # step -> state digest
-
-  @property
-  def ok(self) -> bool:
-    return bool(self.exit_codes) and all(c == 0 for c in self.exit_codes.values())
-
-  @property
-  def failure(self) -> str | None:
-    bad = {h: c for h, c in self.exit_codes.items() if c != 0 and h not in self.killed}
-    if self.killed:
-      return f"SIGKILL host {sorted(self.killed)}"
-    return f"exit codes {bad}" if bad else None
-
-  def as_dict(self) -> dict[str, Any]:
-    return dict(dataclasses.asdict(self), ok=self.ok, failure=self.failure)
-
-
-def _fence(inc: Incarnation, procs: dict[int, subprocess.Popen[bytes]],
-           started: dict[int, float], report_dir: Path, now: float) -> None:
-  """Kills each host that a survivor has reported missing for
-  :data:`FENCE_AFTER_S` while its process still runs (alive but silent:
-  the service declared it dead); it is then replaced like a dead one. A
-  report older than the host's current process (a replacement still
-  starting) is not about it."""
-  for path in report_dir.glob(f"missing-inc{inc.number}-host*.json"):
-    try:
-      doc = json.loads(path.read_text())
-      missing, since = [int(h) for h in doc["missing"]], float(doc["since"])
-    except (OSError, ValueError, KeyError, TypeError):
-      continue  # (written atomically; a bad one is not ours to trust)
-    for h in missing:
-      p = procs.get(h)
-      if (p is None or p.poll() is not None or since < started.get(h, now)
-          or time.time() - since < FENCE_AFTER_S):
-        continue
-      logger.warning("incarnation %d: host %d is missing from the job since %.1f s ago but "
-                     "its process runs: fenced (SIGKILL) and replaced", inc.number, h,
-                     time.time() - since)
-      p.send_signal(signal.SIGKILL)
-      p.wait()  # (the other survivors' reports of it see it gone)
-      inc.fenced.append({"host": h, "pid": p.pid, "missing_since": since,
-                         "fenced": time.time()})
-
-
-def _restart_reason(report_dir: Path, number: int, host: int) -> str:
-  try:
-    return str(json.loads((report_dir / f"restart-inc{number}-host{host}.json").read_text()))
-  except (OSError, ValueError):
-    return "no reason given"
 
 
 def _reserve_port(host: str) -> socket.socket:
@@ -243,17 +141,23 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   """
   _check_args(num_hosts, in_place, min_hosts, replacement_delay_s=replacement_delay_s,
               teardown_delay_s=teardown_delay_s)
+  # (each process logs, by default beside the reports: a stall's stacks land there)
   report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
   report_dir.mkdir(parents=True, exist_ok=True)
-  log_dir = log_dir or report_dir  # (the stall watch's stacks must land somewhere)
   job = _Job(module, list(args), devices_per_host, store_dir, run_id, list(kills),
              [k for k in kills if k.incarnation is None],  # fired in any incarnation
-             time.monotonic() + timeout_s, timeout_s, report_dir,
-             Path(log_dir) if log_dir else None, env or {}, bind_address, in_place,
-             host_service, max_replacements, min_hosts, replacement_delay_s,
-             teardown_delay_s, StallWatch(stall or StallPolicy()))
+             time.monotonic() + timeout_s, timeout_s, report_dir, report_dir, env or {},
+             bind_address, in_place, host_service, max_replacements, min_hosts,
+             replacement_delay_s, teardown_delay_s, StallWatch(stall or StallPolicy()))
+  return _incarnations(job, num_hosts, max_incarnations, between, shrink_to)
+
+
+def _incarnations(job: _Job, hosts: int, max_incarnations: int,
+                  between: Callable[[Incarnation], None] | None,
+                  shrink_to: int | None) -> list[Incarnation]:
+  """Runs the job until an incarnation succeeds; restarts it after each
+  failure (see :func:`launch`)."""
   out: list[Incarnation] = []
-  hosts = num_hosts
   for number in range(max_incarnations):
     inc, failed = Supervisor(job, number, hosts).run()
     out.append(inc)
@@ -261,12 +165,13 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       return out
     if between is not None:
       between(inc)
-    if replacement_delay_s and not in_place:  # no spare host until then
-      time.sleep(max(0.0, (inc.kill_time or inc.ended) + replacement_delay_s - time.time()))
+    if job.replacement_delay_s and not job.in_place:  # no spare host until then
+      time.sleep(max(0.0, (inc.kill_time or inc.ended) + job.replacement_delay_s
+                     - time.time()))
     if shrink_to:
       hosts = shrink_to
   raise RuntimeError(f"job still failing after {max_incarnations} incarnations; "
-                     f"logs: {log_dir or 'pass log_dir'}")
+                     f"logs: {job.log_dir}")
 
 
 def _check_args(num_hosts: int, in_place: bool, min_hosts: int | None,
@@ -295,7 +200,7 @@ class _Job:
   deadline: float  # time.monotonic()
   timeout_s: float
   report_dir: Path
-  log_dir: Path | None
+  log_dir: Path
   env: dict[str, str]
   bind_address: str
   in_place: bool
@@ -463,7 +368,6 @@ class Supervisor:
     name = f"inc{self.inc.number}-host{h}" + (f"-r{self.attempts[h]}" if self.attempts[h]
                                                else "")
     cmd = [sys.executable, "-m", "snapstore.testing._boot", job.module, *job.args]
-    assert job.log_dir is not None  # (launch defaults it)
     self.logs[h] = job.log_dir / f"{name}.log"
     job.watch.event(time.monotonic())
     with open(self.logs[h], "wb") as log:  # the child keeps its copy
@@ -594,43 +498,3 @@ def _die_with_parent() -> None:
   was killed."""
   if _PRCTL is not None:
     _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _arming(pending: Sequence[Kill], h: int) -> list[Kill]:
-  """The phase kills a new process of host ``h`` is armed with: all of its
-  pending ones, earliest step first; a restore kill only when it is the
-  host's next kill (a second fault: this process's restore heals the one
-  before)."""
-  mine = [k for k in pending if k.host == h]
-  return sorted((k for k in mine if k.phase is not None
-                 and (k.phase != "restore" or k is mine[0])), key=lambda k: k.step)
-
-
-def _stopped(pid: int) -> bool:
-  """Whether process ``pid`` is stopped by a signal (SIGSTOP; not a
-  debugger's trace stop; Linux ``/proc``)."""
-  try:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-  except OSError:
-    return False
-  return stat.rsplit(")", 1)[-1].split()[0] == "T"
-
-
-def _fired(k: Kill, pending: list[Kill], carried: list[Kill]) -> None:
-  for where in (pending, carried):  # (by identity: two equal kills are two faults)
-    where[:] = [x for x in where if x is not k]
-
-
-def _record_kill(inc: Incarnation, k: Kill, store_dir: str | os.PathLike[str],
-                 run_id: str) -> None:
-  inc.killed.append(k.host)
-  inc.kill_time = inc.kill_time or time.time()
-  logger.info("incarnation %d: %s host %d at step %d%s", inc.number,
-              "SIGSTOP" if k.freeze else "SIGKILL", k.host, k.step,
-              f" ({k.phase})" if k.phase else "")
-  if k.lose_store:
-    where = host_dir(store_dir, run_id, k.host)
-    if not where.is_dir():
-      raise RuntimeError(f"{k}: cannot wipe host {k.host}'s store: {where} does not "
-                         "exist. Is that the worker's store (--store-dir, --run-id)?")
-    shutil.rmtree(where)
