@@ -298,3 +298,14 @@ def test_demo_overhead_benchmark_smoke(tmp_path):
   _positive(result["snapshots_off"]["median_step_s"],
             result["replica_interval"]["2"]["median_step_s"])
   assert math.isfinite(result["replica_interval"]["2"]["overhead_mean"])
+
+
+def test_restore_layouts_benchmark_smoke(tmp_path):
+  """Every store restores every layout bitwise (CPU devices, sizes / 64)."""
+  from benchmarks import restore_layouts
+  result = restore_layouts.main(["--cpu", "--repeats", "1", "--out", str(tmp_path / "r.json")])
+  for layout in restore_layouts.LAYOUTS:
+    row = result[layout]
+    for store in restore_layouts.STORES:
+      assert row[store]["bitwise_equal"], (layout, store)
+      _positive(row[store]["restore_s"], row["raw_put_s"])
