@@ -109,3 +109,17 @@ def check_cpu_cache() -> None:
         "(docs/limits.md). Turn the cache off (jax_compilation_cache_dir unset) or use "
         "jaxlib < %s.", ".".join(map(str, jaxlib_version())), where,
         ".".join(map(str, CPU_CACHE_HANG_SINCE)))
+
+
+def host_array_to_device(x: jax.Array, device: jax.Device) -> jax.Array:
+  """A single-device array in a host memory kind (``pinned_host``), put
+  into ``device``'s memory. On CPU devices through numpy (the same RAM):
+  jaxlib 0.12.1's CPU client refuses a ``device_put`` of a ``pinned_host``
+  array that a put between two devices' pinned memories made ("Unsupported
+  layout used for PjRt CPU buffers: {1,0:S(5)}"); elsewhere a plain
+  ``device_put``."""
+  import jax
+  import numpy as np
+  if device.platform == "cpu":
+    return jax.device_put(np.asarray(x), single_device_sharding(device))
+  return jax.device_put(x, single_device_sharding(device))

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from snapstore import _devices
+from snapstore._jax_compat import cpu_cache_hangs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +168,9 @@ jax.distributed.shutdown()
 @pytest.mark.parametrize("share", [True, False])
 def test_every_process_of_a_job_finds_the_programs_process_0_cached(tmp_path, share):
   _need_serialized_topology()
+  if not share and cpu_cache_hangs():
+    pytest.skip("this jaxlib hangs a job whose process 0 alone loads a program from the "
+                "cache (docs/limits.md, benchmarks.cpu_cache_probe)")
   """JAX lets only process 0 write the persistent cache; on CPU each
   process's key held its own device list, so the others never hit. Shared
   keys: a second run of a 2-process job hits in both processes."""

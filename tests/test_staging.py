@@ -142,9 +142,11 @@ def test_a_step_that_donates_the_state_right_after_save_changes_no_snapshot(stag
     mgr.save(1, state)
     for _ in range(3):  # donates the saved buffers while the drain reads the pieces
       state = step(state)
-    # (copied whole on CPU, a shard's host copy is a view that keeps XLA from
-    # donating its buffer, as the CPU path's views do)
-    assert saved["w"].is_deleted() == (budget != 0)
+    # (copied whole on CPU, a shard's host copy is a view of its buffer: jax
+    # <= 0.12.0 then skips the donation, 0.12.1 donates the handle and keeps
+    # the buffer alive for the view; the restore below is the property)
+    if budget != 0:
+      assert saved["w"].is_deleted()
     mgr.wait_until_finished()
     got = mgr.restore(abstract(make_state()), step=1)
   assert_bitwise_equal(expected, got.state)

@@ -33,7 +33,7 @@ from ..._checksum import (
   shard_checksums,
 )
 from ..._index import Index
-from ..._jax_compat import single_device_sharding
+from ..._jax_compat import host_array_to_device
 from ..._manifest import piece_row
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafKind, LeafSpec
@@ -187,7 +187,7 @@ class PinnedHostBackend(DomainStores):
         ok = got is not None
       else:  # (a device-summed copy is a jax.Array)
         on = device or device_of(cast(jax.Array, stored))
-        got = jax.device_put(stored, single_device_sharding(on))
+        got = host_array_to_device(cast(jax.Array, stored), on)
         ok = as_checksum(device_checksum(got)) == tuple(rec.checksum)
     except (RuntimeError, KeyError) as e:  # JaxRuntimeError (slice lost), freed buffers
       # DATA_LOSS reading a host copy is its slice's memory gone (Pathways):
@@ -237,9 +237,14 @@ class PinnedHostBackend(DomainStores):
     if any(c.record.kind is not ChecksumKind.DEVICE_SUM for c, _ in picks):
       return None
     try:
-      pinned = jax.make_array_from_single_device_arrays(
-          spec.shape, sharding.with_memory_kind(PINNED), [st for _, st in picks])
-      arr = jax.device_put(pinned, sharding)
+      if wanted[0][0].platform == "cpu":  # (see _jax_compat.host_array_to_device)
+        arr = jax.make_array_from_single_device_arrays(spec.shape, sharding, [
+            host_array_to_device(st, device) for (_, st), (device, _) in zip(picks, wanted,
+                                                                             strict=True)])
+      else:
+        pinned = jax.make_array_from_single_device_arrays(
+            spec.shape, sharding.with_memory_kind(PINNED), [st for _, st in picks])
+        arr = jax.device_put(pinned, sharding)
       sums = shard_checksums(arr)
       if sums is None:
         return None
