@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import cleanup, emit, ram_dir
+from benchmarks._common import best_seconds as _best, cleanup, emit, ram_dir
 
 # name -> (store, the pinned store's checksum and memory: PinnedChecksum's and
 # PinnedMemory's names)
@@ -86,16 +86,6 @@ LINK_PIECES_MB = (1, 4, 16)
 
 def _gbps(nbytes: int, seconds: float) -> float:
   return round(nbytes / seconds / 1e9, 2)
-
-
-def _best(fn: Callable[[], Any], repeats: int) -> float:
-  import jax
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - t)
-  return best
 
 
 def _fresh_get(x: Any, repeats: int) -> float:

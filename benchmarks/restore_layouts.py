@@ -26,11 +26,13 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks._common import best_seconds as _best
 
 LAYOUTS = ("flat", "transformer", "stacked", "small")
 STORES = {"host_files": ("HOST_FILES", "", ""),
@@ -74,16 +76,6 @@ def make_state(layout: str, scale: int) -> dict[str, Any]:
     host = host.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else host
     out[f"l{i:04d}"] = jax.device_put(host, NamedSharding(mesh, spec))
   return out
-
-
-def _best(fn: Callable[[], Any], repeats: int) -> float:
-  import jax
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - t)
-  return best
 
 
 def _raw(state: Any, repeats: int) -> dict[str, float]:
