@@ -258,7 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                       format="%(levelname)s %(name)s: %(message)s")
   for stop in (signal.SIGTERM, signal.SIGHUP):
-    signal.signal(stop, _raise_stopped)
+    if signal.getsignal(stop) is not signal.SIG_IGN:  # (nohup and the like: left alone)
+      signal.signal(stop, _raise_stopped)
   try:
     return args.fn(args)
   except (KeyboardInterrupt, _Stopped) as e:

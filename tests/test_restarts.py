@@ -150,7 +150,10 @@ def test_a_stopped_launch_takes_its_processes_with_it(signum, tmp_path, shm_stor
   cmd = [sys.executable, "-m", "snapstore", "launch", "--hosts", "2", "--devices-per-host",
          "1", "--store-dir", str(shm_store), "--run-id", "job", "--log-dir", str(out), "--",
          "snapstore.demo.worker", *_worker_args(out, shm_store, 10_000)]
-  cli = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  # (a shell's background job starts with SIGINT ignored, and Python then
+  # never raises KeyboardInterrupt: the CLI gets the default disposition)
+  cli = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   deadline = time.monotonic() + 180
   while read_progress(host_dir(shm_store, "job", 1))[0] < 2:
     assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
