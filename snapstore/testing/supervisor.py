@@ -252,11 +252,11 @@ class Supervisor:
       fence_at = progress_at = 0.0
       while self.procs.keys() - inc.exit_codes.keys():
         if time.monotonic() > job.deadline:
-          for p in self.procs.values():
-            p.kill()
-            p.wait()
-          raise TimeoutError(f"job did not finish in {job.timeout_s} s "
-                             f"(incarnation {inc.number})")
+          self._dump_stacks()
+          self._kill_all("timed out")
+          raise TimeoutError(f"job did not finish in {job.timeout_s} s (incarnation "
+                             f"{inc.number}); each process's Python stacks are at the end of "
+                             f"its log in {job.log_dir}")
         now = time.monotonic()
         self._fire_due_kills(now)
         self._start_due_replacements()
@@ -301,13 +301,7 @@ class Supervisor:
         or any(p.poll() is not None for p in self.procs.values())):
       return
     phase = job.watch.phase()
-    live = [p for p in self.procs.values() if p.poll() is None]
-    for p in live:  # every thread's Python stack into its log (._boot)
-      with contextlib.suppress(ProcessLookupError):
-        if _stopped(p.pid):  # (a frozen host: let it write too)
-          p.send_signal(signal.SIGCONT)
-        p.send_signal(signal.SIGUSR1)
-    time.sleep(STACKS_WAIT_S)
+    self._dump_stacks()
     self._kill_all("stalled")
     logs = tuple(str(self.logs[h]) for h in sorted(self.logs))
     raise JobStalledError(
@@ -315,6 +309,19 @@ class Supervisor:
         f"for {quiet:.0f} s (watch period {job.watch.period_s():.0f} s); phase: {phase}. "
         f"Stopped; each process's Python stacks are at the end of its log in {job.log_dir}",
         phase=phase, incarnation=inc.number, logs=logs)
+
+  def _dump_stacks(self) -> None:
+    """Every live process writes every thread's Python stack into its log
+    (``faulthandler`` on SIGUSR1, registered by :mod:`._boot`); a frozen one
+    is resumed first so that it can."""
+    live = [p for p in self.procs.values() if p.poll() is None]
+    for p in live:
+      with contextlib.suppress(ProcessLookupError):
+        if _stopped(p.pid):
+          p.send_signal(signal.SIGCONT)
+        p.send_signal(signal.SIGUSR1)
+    if live:
+      time.sleep(STACKS_WAIT_S)
 
   def _kill_all(self, why: str) -> None:
     """Kills every process of this incarnation that still runs, and says so."""
