@@ -237,7 +237,7 @@ class PinnedHostBackend(DomainStores):
     if any(c.record.kind is not ChecksumKind.DEVICE_SUM for c, _ in picks):
       return None
     try:
-      if wanted[0][0].platform == "cpu":  # (see _jax_compat.host_array_to_device)
+      if wanted and wanted[0][0].platform == "cpu":  # (_jax_compat.host_array_to_device)
         arr = jax.make_array_from_single_device_arrays(spec.shape, sharding, [
             host_array_to_device(st, device) for (_, st), (device, _) in zip(picks, wanted,
                                                                              strict=True)])
