@@ -25,7 +25,9 @@ from snapstore import (
     Every,
     HostFiles,
     Parity,
+    PinnedChecksum,
     PinnedHost,
+    PinnedMemory,
     Replicas,
     SnapshotOptions,
 )
@@ -82,15 +84,22 @@ def slices(monkeypatch, request):
   sim.stop()
 
 
+#: the stores a CPU device's slice can keep: AUTO (PROCESS here), and what
+#: Pathways uses (SLICE_HOSTS: staged pieces in each slice's host memory)
+MEMORIES = {"process": Auto, "slice_hosts": lambda dir: PinnedHost(
+    memory=PinnedMemory.SLICE_HOSTS, checksum=PinnedChecksum.DEVICE)}
+
+
 def run_elastic(store_dir, lose, options, *, fail_at=5, total=8,
-                persistent=None, come_back=True):
+                persistent=None, come_back=True, memory="process"):
   elastic = Manager()
-  snapshots = dataclasses.replace(options.snapshots, store=Auto(dir=store_dir), run_id="pw",
-                                  persistent_interval=2 if persistent else 0)
+  snapshots = dataclasses.replace(options.snapshots, store=MEMORIES[memory](dir=store_dir),
+                                  run_id="pw", persistent_interval=2 if persistent else 0)
   trainer = ElasticTrainer(elastic, options=dataclasses.replace(options, snapshots=snapshots),
                            persistent=persistent)
   # CPU devices have pinned_host memory: the slices' snapshots are pinned arrays.
-  assert trainer.snapshots.store == PinnedHost()
+  assert isinstance(trainer.snapshots.store, PinnedHost)
+  assert trainer.snapshots._backend.memory is PinnedMemory[memory.upper()]
   saved: dict[int, object] = {}
   meshes = []
   # DeviceLossSimulator tracks arrays by id(): keep every array alive so no
@@ -126,10 +135,12 @@ def run_elastic(store_dir, lose, options, *, fail_at=5, total=8,
 FAST = dict(elastic_poll_seconds=0.05, elastic_timeout_seconds=20, elastic_max_retries=2)
 
 
-def test_pause_resume_restores_the_lost_step_from_the_cross_slice_copy(slices, store_dir):
+@pytest.mark.parametrize("memory", sorted(MEMORIES))
+def test_pause_resume_restores_the_lost_step_from_the_cross_slice_copy(slices, store_dir,
+                                                                       memory):
   _, lose, _ = slices
   trainer, saved, meshes, final = run_elastic(store_dir, lose,
-                                              ElasticOptions(**FAST))
+                                              ElasticOptions(**FAST), memory=memory)
   (event,) = trainer.events
   assert event.lost_slices == (1,) and event.active_slices == (0, 1)
   assert event.source == "snapshot" and event.restored_step == 5 and event.rewind_steps == 0
@@ -183,11 +194,12 @@ def test_parity_keeps_at_most_0_4x_the_extra_bytes_of_a_replica(store_dir):
     assert 0 < extra_parity <= 0.4 * extra_replica, (k, held)
 
 
-def test_replica_resize_continues_on_the_surviving_slice(slices, store_dir):
+@pytest.mark.parametrize("memory", sorted(MEMORIES))
+def test_replica_resize_continues_on_the_surviving_slice(slices, store_dir, memory):
   _, lose, _ = slices
   trainer, saved, meshes, final = run_elastic(
       store_dir, lose, ElasticOptions(elastic_min_slice_count=1, **FAST),
-      come_back=False)
+      come_back=False, memory=memory)
   (event,) = trainer.events
   assert event.active_slices == (0,) and event.restored_step == 5
   assert meshes == [8, 4]  # the restored state lives on slice 0's 4 devices

@@ -28,6 +28,7 @@ from snapstore import (
   Source,
   TreeMismatchError,
 )
+from snapstore._backends.pinned.slices import HostParts
 from snapstore._checksum import (
   ChecksumKind,
   _sums,
@@ -66,7 +67,10 @@ def stored(mgr, domain, step):
 
 
 def flip_bit(arr, byte=5, bit=4):
-  """A bit flip in the pinned host buffer itself, as failing RAM would do."""
+  """A bit flip in the pinned host buffer itself, as failing RAM would do
+  (a staged copy's: in its first part)."""
+  if isinstance(arr, HostParts):
+    arr = arr.parts[0]
   arr.block_until_ready()
   ctypes.c_uint8.from_address(arr.unsafe_buffer_pointer() + byte).value ^= 1 << bit
 

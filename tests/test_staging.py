@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import snapstore
 from snapstore._backends import staging
+from snapstore._backends.pinned.slices import HostParts
 from tests.helpers import assert_bitwise_equal, host_copy, only_store, opts
 
 CHUNK = 64 << 10  # small chunks and pieces: several pieces a chunk, chunks a shard
@@ -63,17 +64,37 @@ def staged_opts(store_dir, **kw) -> snapstore.SnapshotOptions:
               staging_piece_bytes=PIECE, **kw)
 
 
-@pytest.fixture(params=["files", "pinned"])
+#: the pinned-host store as Pathways keeps it: each slice's copies in its
+#: devices' host memory, checked on device (:mod:`snapstore._backends.pinned.slices`)
+SLICE_HOSTS = snapstore.PinnedHost(memory=snapstore.PinnedMemory.SLICE_HOSTS,
+                                   checksum=snapstore.PinnedChecksum.DEVICE)
+
+
+@pytest.fixture(params=["files", "pinned", "slices"])
 def staged_manager(request, store_dir):
   """``staged_manager(**options)``: host files of this process, or the
-  pinned-host store of two slices of 4 devices (its memory: this process's)."""
+  pinned-host store of two slices of 4 devices (its memory: this process's;
+  ``slices``: each slice's devices' host memory)."""
   def make(**kw) -> snapstore.SnapshotManager:
     devices = jax.devices()
-    slices = {0: devices[:4], 1: devices[4:]} if request.param == "pinned" else None
+    slices = {0: devices[:4], 1: devices[4:]} if request.param != "files" else None
+    if request.param == "slices":
+      kw["store"] = SLICE_HOSTS
     mgr = snapstore.SnapshotManager(staged_opts(store_dir, **kw), slices=slices)
-    assert isinstance(mgr.store, snapstore.PinnedHost) == (request.param == "pinned")
+    assert isinstance(mgr.store, snapstore.PinnedHost) == (request.param != "files")
     return mgr
+  make.kind = request.param
   return make
+
+
+def stageable_bytes(state: dict, kind: str) -> int:
+  """What a save stages: every stored shard, or (SLICE_HOSTS) those of the
+  leaves split over every device (a leaf with twins in a slice is put to
+  host memory as it is)."""
+  if kind != "slices":
+    return stored_bytes(state)
+  return sum(x.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array)
+             and x.size and any(axis is not None for axis in x.sharding.spec))
 
 
 @functools.cache
@@ -97,7 +118,8 @@ def test_a_budget_for_everything_stages_every_shard_and_restores_bitwise(staged_
   with staged_manager() as mgr:  # CPU: no limit
     mgr.save(1, state)
     m = mgr.metrics
-    assert m.staged_bytes == stored_bytes(state) and m.copied_before_return_bytes == 0
+    assert m.staged_bytes == stageable_bytes(state, staged_manager.kind)
+    assert m.copied_before_return_bytes == 0
     assert m.stall_seconds == 0.0
     mgr.wait_until_finished()
     got = mgr.restore(abstract(state))
@@ -113,7 +135,8 @@ def test_a_partial_budget_copies_the_rest_before_save_returns(staged_manager):
     m = mgr.metrics
     assert 0 < m.staged_bytes <= budget * 8  # per device
     assert m.copied_before_return_bytes > 0
-    assert m.staged_bytes + m.copied_before_return_bytes == stored_bytes(state)
+    assert (m.staged_bytes + m.copied_before_return_bytes
+            == stageable_bytes(state, staged_manager.kind))
     assert m.stall_seconds > 0 and m.stall_seconds_total == m.stall_seconds
     mgr.wait_until_finished()
     got = mgr.restore(abstract(state))
@@ -125,7 +148,9 @@ def test_no_budget_copies_every_shard_whole_before_save_returns(staged_manager):
   with staged_manager(staging_budget_bytes=0) as mgr:
     mgr.save(1, state)
     assert mgr.metrics.staged_bytes == 0
-    assert mgr.metrics.copied_before_return_bytes == stored_bytes(state)
+    # (SLICE_HOSTS: every leaf put to pinned_host as it is, while training runs)
+    assert mgr.metrics.copied_before_return_bytes == (
+        0 if staged_manager.kind == "slices" else stored_bytes(state))
     mgr.wait_until_finished()
     got = mgr.restore(abstract(state))
   assert_bitwise_equal(state, got.state)
@@ -379,3 +404,32 @@ def test_the_pinned_stores_other_reads_restore_bitwise(store_dir, monkeypatch, h
     got = mgr.restore(abstract(make_state()))
   assert got.step == 1
   assert_bitwise_equal(expected, got.state)
+
+
+def test_slice_hosts_keeps_each_copy_as_pieces_in_its_slices_host_memory(store_dir):
+  """SLICE_HOSTS: a leaf split over every device is kept as parts of at
+  most a piece, in the host memory of a device of the slice that keeps it
+  (its own shards and a copy of the other slice's), bytes as the shard's."""
+  state = make_state()
+  devices = jax.devices()
+  s2d = {0: devices[:4], 1: devices[4:]}
+  with snapstore.SnapshotManager(staged_opts(store_dir, store=SLICE_HOSTS), slices=s2d) as mgr:
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+    for d, devs in s2d.items():
+      store = mgr._backend.stores[d]
+      (m,) = store.manifests()
+      owners: dict[str, set[int]] = {}
+      for rec in m.pieces:
+        name = m.leaves[rec.leaf].path.strip("[]'")
+        held = store.array(m.slot, rec.offset)
+        if name not in ("w", "cols", "half"):
+          continue
+        assert isinstance(held, HostParts) and held.device in devs
+        assert held.memory_kind == "unpinned_host"
+        assert len(held.parts) > 1 and all(p.nbytes <= PIECE for p in held.parts)
+        got = np.concatenate([np.asarray(p).reshape(-1) for p in held.parts])
+        want = np.asarray(state[name])[tuple(slice(a, b) for a, b in rec.index)]
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+        owners.setdefault(name, set()).add(rec.owner)
+      assert owners == {n: {0, 1} for n in ("w", "cols", "half")}, owners

@@ -161,6 +161,15 @@ class Stager:
     return cls(piece_bytes=options.staging_piece_bytes, chunk_bytes=options.chunk_bytes,
                budget_bytes=options.staging_budget_bytes)
 
+  def room(self, device: jax.Device) -> int | None:
+    """Bytes a capture may leave staged on ``device`` now (None: no limit);
+    tell :meth:`held` what it then staged."""
+    return self._budget(device)
+
+  def held(self, device: jax.Device, nbytes: int) -> None:
+    """The most a capture staged on ``device`` since :meth:`room` asked."""
+    self._devices.setdefault(device, _Device()).held = nbytes
+
   def _budget(self, device: jax.Device) -> int | None:
     seen = self._devices.setdefault(device, _Device())
     got, seen.need = budget(device.memory_stats(), self.budget_bytes, held=seen.held,

@@ -44,6 +44,7 @@ from ..base import DomainStores, Header
 from ..staging import Report, Stager
 from . import capture as _capture
 from .capture import device_of
+from .slices import HostParts, SliceStager, join
 from .store import PINNED, PinnedHostStore, Stored
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,11 @@ class PinnedHostBackend(DomainStores):
     self.memory = memory_for(devices, spec)
     self.checksum = checksum_for(devices, spec.checksum, self.memory)
     in_process = self.memory is PinnedMemory.PROCESS
-    self._stager = Stager.of(options) if in_process else None
+    self._stager = Stager.of(options)
+    # SLICE_HOSTS checked on device: leaves staged as pieces (.slices); its
+    # budget comes from the same accounting as PROCESS's staging
+    self._slice_staging = (not in_process and self._stager is not None
+                           and self.checksum is ChecksumKind.DEVICE_SUM)
     # Where this process can read the stored bytes (CRC32C: PROCESS), a piece
     # is verified while it is copied out (one pass, on the pool, ahead of
     # use) and the copy put back; else each leaf is put back from its
@@ -140,11 +145,21 @@ class PinnedHostBackend(DomainStores):
       if stripes is None:
         logger.warning("step %d: slices %s do not form groups of %d: full replicas instead "
                        "of parity", header.step, sorted(live), k + 1)
+    slice_stager, probe = None, None
+    if self._slice_staging and self._stager is not None:
+      probe = live[min(live)][0]  # the devices run one program: one stands for all
+      slice_stager = SliceStager(piece_bytes=self.options.staging_piece_bytes,
+                                 chunk_bytes=self.options.chunk_bytes,
+                                 room=self._stager.room(probe))
+    in_process = self.memory is PinnedMemory.PROCESS
     cap = _capture.capture(specs, leaves, slices=live, replicas=replicas,
                            step=header.step, checksum=self.checksum,
                            chunk_bytes=self.options.chunk_bytes, before_dispatch=make_room,
-                           stripes=stripes, host=self.memory is PinnedMemory.PROCESS,
-                           stager=self._stager, staging=self.options.staging)
+                           stripes=stripes, host=in_process,
+                           stager=self._stager if in_process else None,
+                           staging=self.options.staging, slice_stager=slice_stager)
+    if slice_stager is not None and probe is not None and self._stager is not None:
+      self._stager.held(probe, slice_stager.peak)
     return _Pending(header, cap, slots)
 
   def drain(self, pending: _Pending) -> int:
@@ -174,17 +189,20 @@ class PinnedHostBackend(DomainStores):
     return self.stores[copy.store].part(copy.slot, copy.record.offset)
 
   def fetch(self, plan: StepPlan, copy: Copy, device: jax.Device | None, *,
-            out: np.ndarray | None = None) -> Stored:
+            out: np.ndarray | None = None) -> np.ndarray | jax.Array:
     rec = copy.record
     path, dtype = plan.path_and_dtype(rec)
     holder = f"slice {copy.store}"
-    got: Stored | None
+    got: np.ndarray | jax.Array | None
     try:
       stored = self._stored(copy)
       if rec.kind is ChecksumKind.CRC32C:  # a private copy, verified as it is made
         got = _copy.verified_piece(np.asarray(stored), rec, path, dtype,
                                    chunk_bytes=plan.chunk_bytes, pool=self._pool, out=out)
         ok = got is not None
+      elif isinstance(stored, HostParts):  # staged pieces: joined and summed on device
+        got, sums = join(stored, device or stored.device)
+        ok = as_checksum(sums) == tuple(rec.checksum)
       else:  # (a device-summed copy is a jax.Array)
         on = device or device_of(cast(jax.Array, stored))
         got = host_array_to_device(cast(jax.Array, stored), on)
@@ -202,7 +220,7 @@ class PinnedHostBackend(DomainStores):
     return got
 
   def fetch_run(self, plan: StepPlan, copies: Sequence[Copy], out: np.ndarray
-                ) -> list[Stored | None]:
+                ) -> list[np.ndarray | jax.Array | None]:
     raise NotImplementedError("pinned_host copies are fetched one by one (runs is False)")
 
   def check(self, plan: StepPlan, copy: Copy) -> None:
@@ -219,7 +237,7 @@ class PinnedHostBackend(DomainStores):
     spec = plan.specs[leaf]
     if spec.kind is LeafKind.NUMPY or self.prefetch_pool is not None:
       return None  # host copies: the general path puts the verified copies
-    picks: list[tuple[Copy, jax.Array]] = []
+    picks: list[tuple[Copy, jax.Array | HostParts]] = []
     for device, index in wanted:
       found = None
       for copy in plan.copies.get((leaf, index), ()):
@@ -227,7 +245,7 @@ class PinnedHostBackend(DomainStores):
             or copy.store in assembler.lost_stores):
           continue
         stored = self._stored(copy)
-        if isinstance(stored, jax.Array) and _alive_on(stored, device):
+        if isinstance(stored, (jax.Array, HostParts)) and _alive_on(stored, device):
           found = (copy, stored)
           break
       if found is None:
@@ -237,13 +255,16 @@ class PinnedHostBackend(DomainStores):
     if any(c.record.kind is not ChecksumKind.DEVICE_SUM for c, _ in picks):
       return None
     try:
+      if any(isinstance(st, HostParts) for _, st in picks):
+        return self._place_parts(assembler, spec, sharding, picks, wanted)
+      arrays = [st for _, st in picks if isinstance(st, jax.Array)]
       if wanted and wanted[0][0].platform == "cpu":  # (_jax_compat.host_array_to_device)
         arr = jax.make_array_from_single_device_arrays(spec.shape, sharding, [
-            host_array_to_device(st, device) for (_, st), (device, _) in zip(picks, wanted,
-                                                                             strict=True)])
+            host_array_to_device(st, device) for st, (device, _) in zip(arrays, wanted,
+                                                                        strict=True)])
       else:
         pinned = jax.make_array_from_single_device_arrays(
-            spec.shape, sharding.with_memory_kind(PINNED), [st for _, st in picks])
+            spec.shape, sharding.with_memory_kind(PINNED), arrays)
         arr = jax.device_put(pinned, sharding)
       sums = shard_checksums(arr)
       if sums is None:
@@ -262,12 +283,30 @@ class PinnedHostBackend(DomainStores):
     return arr
 
 
+  def _place_parts(self, assembler: Assembler, spec: LeafSpec,
+                   sharding: jax.sharding.Sharding,
+                   picks: Sequence[tuple[Copy, jax.Array | HostParts]],
+                   wanted: Sequence[tuple[jax.Device, Index]]) -> jax.Array | None:
+    """:meth:`place_leaf` from staged copies: each joined on its target
+    device with its checksum, checked, and made one array."""
+    shards = []
+    for (copy, st), (device, _) in zip(picks, wanted, strict=True):
+      if not isinstance(st, HostParts):
+        return None
+      got, sums = join(st, device)
+      if as_checksum(sums) != tuple(copy.record.checksum):
+        raise BadCopy(copy.key(assembler.plan.step), spec.path, holder=f"slice {copy.store}")
+      shards.append(got)
+    assembler.bytes_read += sum(c.record.nbytes for c, _ in picks)
+    return jax.make_array_from_single_device_arrays(spec.shape, sharding, shards)
+
+
 def _data_loss(e: BaseException) -> bool:
   """A JAX runtime error that says the memory read is gone (DATA_LOSS)."""
   return isinstance(e, jax.errors.JaxRuntimeError) and "DATA_LOSS" in str(e)
 
 
-def _alive_on(a: jax.Array, device: jax.Device) -> bool:
+def _alive_on(a: jax.Array | HostParts, device: jax.Device) -> bool:
   try:
     return not a.is_deleted() and device_of(a) == device
   except RuntimeError:

@@ -49,6 +49,7 @@ from .._copy import Capture
 from ..staging import Read, Report, Stager, staged
 from .host import HostJob, Later, add_host_leaf, copy_to_host
 from .ring import Ring, copy_of, structure
+from .slices import HostParts, Pending, SliceStager, Staged, stageable
 from .store import PINNED, Stored
 
 
@@ -92,9 +93,15 @@ class PinnedCapture:
     copy_to_host(jobs, self.arrays, self.host_sums, self.host_devices, take, pool, chunk_bytes)
 
   def wait(self) -> None:
-    """Blocks until every copy has landed (raises if a slice died meanwhile)."""
-    jax.block_until_ready([a for arrs in self.arrays.values() for a in arrs
-                           if isinstance(a, jax.Array)])
+    """Blocks until every copy has landed (raises if a slice died meanwhile);
+    staged copies become the :class:`.slices.HostParts` the store keeps."""
+    for arrs in self.arrays.values():
+      for k, a in enumerate(arrs):
+        if isinstance(a, Pending):
+          arrs[k] = a.resolve()
+    jax.block_until_ready([p for arrs in self.arrays.values() for a in arrs
+                           for p in (a.parts if isinstance(a, HostParts) else (a,))
+                           if isinstance(p, jax.Array)])
 
   def checksums(self, domain: int, pool: futures.Executor) -> list[Checksum]:
     """Each piece's checksum (crc32c of host copies runs on ``pool``)."""
@@ -111,7 +118,8 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
             chunk_bytes: int = 16 << 20,
             before_dispatch: Callable[[dict[int, int]], None] = lambda nbytes: None,
             stripes: _parity.Stripes | None = None, host: bool = False,
-            stager: Stager | None = None, staging: Staging = Staging.AUTO) -> PinnedCapture:
+            stager: Stager | None = None, staging: Staging = Staging.AUTO,
+            slice_stager: SliceStager | None = None) -> PinnedCapture:
   """Dispatches ``pinned_host`` copies of every piece to the domains that keep
   it; returns at once (the copies and checksums complete asynchronously, and
   XLA orders them before any later step that donates the buffers).
@@ -127,6 +135,11 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   other domain holds is kept by its own domain only, plus the parity blocks
   of its stripes (:mod:`..._parity`), unless it is not evenly sharded over the
   stripes' devices: then it gets ``replicas`` full copies as usual.
+
+  Else (``PinnedMemory.SLICE_HOSTS``) with a ``slice_stager`` each leaf
+  that allows it is staged in device memory as pieces that move into its
+  devices' host memory at the link's speed (:mod:`.slices`); the others
+  are put to ``pinned_host`` as they are.
 
   ``before_dispatch(bytes per domain)`` runs before any memory is taken: it
   may raise (over budget) or evict older snapshots.
@@ -159,7 +172,10 @@ def capture(specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
   slot = ({} if host and not protect else
           {(p.leaf, p.index, d): n for d, ps in cap.pieces.items()
            for n, (p, _) in enumerate(ps)})
-  _dispatch_leaves(cap, specs, placed, ring, slot, chunk_bytes)
+  _dispatch_leaves(cap, specs, placed, ring, slot, chunk_bytes, slice_stager)
+  if slice_stager is not None:
+    slice_stager.flush()
+    cap.staged = slice_stager.report()
   if protect and stripes is not None:
     _dispatch_parity(cap, ring, stripes, protect, length, slot, step=step,
                      chunk_bytes=chunk_bytes)
@@ -233,14 +249,22 @@ def _place_parity(cap: PinnedCapture, ring: Ring, stripes: _parity.Stripes,
 
 def _dispatch_leaves(cap: PinnedCapture, specs: Sequence[LeafSpec], placed: _Placed,
                      ring: Ring, slot: dict[tuple[int, Index, int], int],
-                     chunk_bytes: int) -> None:
-  """Off CPU: the pinned copies of the placed leaves, and a checksum of
-  each piece (on device, or of its host copy)."""
+                     chunk_bytes: int, stager: SliceStager | None = None) -> None:
+  """Off CPU: the pinned copies of the placed leaves (staged where
+  ``stager`` is given and the layout allows), and a checksum of each piece
+  (on device, or of its host copy)."""
   on_device = cap.checksum is ChecksumKind.DEVICE_SUM
   for i, arr, plan in placed:
-    sums = shard_checksums(arr) if on_device else None
-    per_shard = (_fetched_once(sums[0]), sums[1]) if sums is not None else None
-    for (index, d), copy in plan.dispatch(arr, ring).items():
+    got = plan.dispatch_staged(arr, ring, stager) if stager is not None and on_device else None
+    per_shard: tuple[Callable[[], np.ndarray], dict] | None
+    if got is not None:
+      copies, staged = got
+      per_shard = (_fetched_once(staged.sums), staged.rows)
+    else:
+      sums = shard_checksums(arr) if on_device else None
+      per_shard = (_fetched_once(sums[0]), sums[1]) if sums is not None else None
+      copies = plan.dispatch(arr, ring)
+    for (index, d), copy in copies.items():
       cap.arrays[d][slot[(i, index, d)]] = copy
     first: dict[Index, int] = {}  # the lowest domain keeping each piece
     for index, d in plan.keep:
@@ -362,6 +386,44 @@ class _LeafPlacement:
         out[(index, t)] = jax.device_put(data, _pinned_on(there))
     return out
 
+  def dispatch_staged(self, arr: jax.Array, ring: Ring, stager: SliceStager
+                      ) -> tuple[dict[tuple[Index, int], Any], Staged] | None:
+    """As :meth:`dispatch`, from ``arr`` staged as pieces (:mod:`.slices`):
+    (each copy, pending until the drain's wait; the staged leaf, whose
+    checksums are its shards'). None where the layout does not allow it
+    (the caller dispatches as before)."""
+    if not stager.staging or not stageable(arr):
+      return None
+    sharding = arr.sharding
+    assert isinstance(sharding, NamedSharding)
+    own = [key for key in self.keep if key[1] in self.holders[key[0]]]
+    dense = sum(len(v) for v in self.holders.values()) == len(sharding.device_set)
+    if own and not dense:  # twins inside a domain: only one of them is kept
+      return None
+    moved: dict[int, NamedSharding] = {}
+    by_shift: dict[int, list[tuple[Index, int]]] = {}
+    for index, t in self.keep:
+      if t not in self.holders[index]:
+        k = self.shift_to(index, t)
+        by_shift.setdefault(k, []).append((index, t))
+        ring_to = _ring_sharding(sharding, ring, k)
+        if ring_to is None:
+          return None
+        moved[k] = ring_to
+    staged = stager.stage(arr)
+    index_of = _indices(sharding, tuple(arr.shape))
+    out: dict[tuple[Index, int], Any] = {}
+    _collect_staged(staged, index_of, ring, own, out)
+    flat = list(sharding.mesh.devices.flat)
+    for k, wanted in sorted(by_shift.items()):
+      mesh = moved[k].mesh
+      assert isinstance(mesh, Mesh)  # (_ring_sharding makes one)
+      copy = stager.ring(staged, mesh)
+      _collect_staged(copy, {m: index_of[o] for o, m in zip(flat, mesh.devices.flat,
+                                                             strict=True)},
+                      ring, wanted, out)
+    return out, staged
+
   @staticmethod
   def _collect(copy: jax.Array, ring: Ring, shape: tuple[int, ...],
                wanted: Sequence[tuple[Index, int]], out: dict) -> None:
@@ -370,6 +432,23 @@ class _LeafPlacement:
       key = (normalize(shard.index, shape), ring.domain(shard.device))
       if key in want and key not in out:
         out[key] = shard.data
+
+
+def _collect_staged(staged: Staged, index_of: Mapping[jax.Device, Index], ring: Ring,
+                    wanted: Sequence[tuple[Index, int]], out: dict) -> None:
+  """A :class:`.slices.Pending` copy for each wanted (index, domain): the
+  row of the device in that domain that holds ``index``."""
+  want = set(wanted)
+  for device, index in index_of.items():
+    key = (index, ring.domain(device))
+    if key in want and key not in out:
+      out[key] = Pending(staged, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _indices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[jax.Device, Index]:
+  """device -> the index of its shard of an array of ``shape``."""
+  return {d: normalize(idx, shape) for d, idx in sharding.devices_indices_map(shape).items()}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -432,6 +511,6 @@ def _fetched_once(out: jax.Array) -> Callable[[], np.ndarray]:
   return get
 
 
-def device_of(a: jax.Array) -> jax.Device:
-  """The device of a single-device array."""
+def device_of(a: jax.Array | HostParts) -> jax.Device:
+  """The device of a single-device array (or of a staged copy's parts)."""
   return next(iter(a.devices()))

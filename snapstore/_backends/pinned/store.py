@@ -30,11 +30,12 @@ from ..._arena import ArenaCache
 from ..._jax_compat import single_device_sharding
 from ..._manifest import Manifest, kept_copy
 from ..base import NO_PROGRESS, ProgressInMemory
+from .slices import HostParts
 
 logger = logging.getLogger(__name__)
 
 PINNED = "pinned_host"
-Stored = jax.Array | np.ndarray
+Stored = jax.Array | np.ndarray | HostParts  # (HostParts: SLICE_HOSTS, staged)
 
 
 def supports_pinned_host(devices: Sequence[jax.Device]) -> bool:
@@ -164,7 +165,7 @@ class PinnedHostStore(ProgressInMemory):
 
 def _free(arrays: Sequence[Stored]) -> None:
   for a in arrays:
-    if isinstance(a, jax.Array):
+    if isinstance(a, (jax.Array, HostParts)):
       try:
         a.delete()
       except Exception:  # noqa: BLE001 - an array of a lost slice may not answer
