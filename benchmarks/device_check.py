@@ -54,6 +54,7 @@ runs it anyway, as a smoke test of the script).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -80,6 +81,9 @@ PER_STEP = {"host_files": ("host_files", {}),
             "pinned_process": ("pinned_process", {}),
             "pinned_process_budget_64mb": ("pinned_process", {"staging_budget_bytes": 64 << 20}),
             "pinned_device_sum": ("pinned_device_sum", {}),
+            "pinned_device_sum_budget_64mb": ("pinned_device_sum",
+                                              {"staging_budget_bytes": 64 << 20}),
+            "pinned_device_sum_unstaged": ("pinned_device_sum", {"staging": "NEVER"}),
             "host_files_pinned_put": ("host_files", {"staging": "NEVER"})}
 LINK_PIECES_MB = (1, 4, 16)
 
@@ -131,6 +135,36 @@ def make_state(state_mb: int, leaves: int = 16) -> dict[str, Any]:
   return {f"w{i:02d}": make(jax.random.key(i)) for i in range(leaves)}
 
 
+def transformer_state(state_mb: int) -> dict[str, Any]:
+  """A transformer's layout of about ``state_mb``: per block, bf16 params
+  (1024, 1024) x 4 and (1024, 4096) x 2, each with two f32 moments (120 MiB
+  a block), 2-D leaves sharded over every local device on their first axis."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+  sharding = NamedSharding(mesh, P("d"))
+  d = 128 if jax.default_backend() == "cpu" else 1024  # (CPU: a smoke test, 1/64 the bytes)
+  shapes = [(d, d)] * 4 + [(d, 4 * d)] * 2
+
+  @functools.cache
+  def maker(shape: tuple[int, int], dtype: Any) -> Callable[[Any], Any]:
+    return jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype),
+                   out_shardings=sharding)
+  out: dict[str, Any] = {}
+  for b in range(max(1, state_mb // (120 * d * d >> 20))):
+    for j, shape in enumerate(shapes):
+      k = jax.random.key(b * 64 + j)
+      out[f"b{b:03d}_p{j}"] = maker(shape, jnp.bfloat16)(k)
+      out[f"b{b:03d}_m{j}"] = maker(shape, jnp.float32)(jax.random.fold_in(k, 1))
+      out[f"b{b:03d}_v{j}"] = maker(shape, jnp.float32)(jax.random.fold_in(k, 2))
+  return out
+
+
+#: per_step's state layout (``--layout``): ``flat`` (16 f32 leaves) or ``transformer``
+LAYOUT = "flat"
+
+
 #: host files' ``staging_piece_bytes`` in MiB (``--piece-mb``; 0: the default)
 PIECE_MB = 0
 
@@ -153,8 +187,10 @@ def manager(kind: str, store_dir: str, **extra: Any):
 
 
 def _stages(kind: str) -> bool:
-  """Whether the store ``kind`` stages (SnapshotOptions.staging applies)."""
-  return STORES[kind][0] == "HOST_FILES" or STORES[kind][2] == "PROCESS"
+  """Whether the store ``kind`` stages (SnapshotOptions.staging applies):
+  every one but the pinned store checked by crc32c on the slices' hosts."""
+  return STORES[kind][0] == "HOST_FILES" or STORES[kind][1] != "HOST" or \
+      STORES[kind][2] == "PROCESS"
 
 
 def _abstract(state: Any) -> Any:
@@ -256,14 +292,18 @@ class _Loop:
   def __init__(self, advance: Callable[[Any, int], Any], state: Any) -> None:
     self.advance, self.state, self.step = advance, state, 0
 
-  def run(self, steps: int, mgr: Any | None = None, every: int = 1) -> float:
+  def run(self, steps: int, mgr: Any | None = None, every: int = 1,
+          force: bool = True) -> float:
+    """The mean step time of ``steps`` steps; with ``mgr`` a save every
+    ``every`` (``force=False``: every step offered, the manager's interval
+    decides)."""
     import jax
     t = time.perf_counter()
     for _ in range(steps):
       self.step += 1
       self.state = self.advance(self.state, self.step)
       if mgr is not None and self.step % every == 0:
-        mgr.save(self.step, self.state, force=True)
+        mgr.save(self.step, self.state, force=force)
     jax.block_until_ready(self.state)
     took = time.perf_counter() - t
     if mgr is not None:
@@ -352,6 +392,23 @@ def link(mb: int, repeats: int) -> dict[str, Any]:
         lambda host=host: jax.device_put(host, [dev] * len(host)), repeats))
   whole = np.asarray(jax.device_get(x))
   out["h2d_one_array_gbps"] = _gbps(total, _best(lambda: jax.device_put(whole, dev), repeats))
+  # What SLICE_HOSTS does now: 4 MiB pieces cut on the device, put at once
+  # into each host memory kind (jax.Arrays that stay there).
+  n4 = max(1, total // (4 << 20))
+  split4 = jax.jit(lambda a, i: jnp.split(a + i, n4))
+  for kind in ("unpinned_host", "pinned_host"):
+    try:
+      put = single_device_sharding(dev, memory_kind=kind)
+      best = float("inf")
+      for i in range(repeats + 1):  # (the first compiles)
+        pieces = jax.block_until_ready(split4(x, float(i)))
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put(pieces, [put] * len(pieces)))
+        if i:
+          best = min(best, time.perf_counter() - t)
+      out[f"d2h_4mb_pieces_to_{kind}_gbps"] = _gbps(total, best)
+    except Exception as e:  # noqa: BLE001 - a memory kind this platform lacks
+      out[f"{kind}_pieces_error"] = repr(e)[:300]
   # Into jax.Arrays that stay in host memory (a per-slice store on
   # Pathways): 16 leaves put at once to each host memory kind, from the
   # leaves themselves and from fresh copies in device memory.
@@ -369,6 +426,10 @@ def link(mb: int, repeats: int) -> dict[str, Any]:
           lambda held=held: jax.device_put(held, [dev] * len(held)), repeats))
     except Exception as e:  # noqa: BLE001 - a memory kind this platform lacks
       out[f"{kind}_error"] = repr(e)[:300]
+  # The raw link a store is held to: the best way device -> host measured here
+  d2h = {k: v for k, v in out.items() if k.startswith("d2h_") and isinstance(v, float)}
+  out["d2h_best_gbps"] = max(d2h.values())
+  out["d2h_best_way"] = max(d2h, key=lambda k: d2h[k])
   return out
 
 
@@ -394,11 +455,12 @@ def per_step(state_mb: int, step_ms: float, steps: int, rounds: int, repeats: in
   restore against a raw ``device_put`` of the same bytes; then host RSS
   over ``rss_snapshots`` more saves, one a step."""
   import jax
-  state = make_state(state_mb)
+  state = transformer_state(state_mb) if LAYOUT == "transformer" else make_state(state_mb)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   fn, x, iters = train_step(jax.tree.map(lambda a: a.copy(), state), step_ms)
   out: dict[str, Any] = {"state_mb": state_mb, "step_ms_asked": step_ms, "iters": iters,
-                         "steps_a_loop": steps}
+                         "steps_a_loop": steps, "layout": LAYOUT,
+                         "leaves": len(jax.tree.leaves(state))}
   run = _Loop(lambda st, _: fn(st, x, iters), state)
 
   for name in kinds:
@@ -482,13 +544,16 @@ def host(mb: int, repeats: int, threads: Sequence[int] = (1, 2, 4, 8),
 
 
 def model(steps: int, rounds: int, repeats: int, *, dim: int, layers: int, vocab: int,
-          seq: int, batch: int) -> dict[str, Any]:
+          seq: int, batch: int, kinds: Sequence[str] = ("host_files",),
+          host_mtbf_s: float = 0.0) -> dict[str, Any]:
   """The demo's flax transformer (adam), sized by the arguments, trained on
-  the device with a snapshot every step (host files, defaults) against
-  none; its train state's bytes, and a restore of the last snapshot,
-  bitwise checked."""
+  the device with a snapshot every step against none, for each store of
+  ``kinds`` (:data:`STORES`); with ``host_mtbf_s``, also under
+  ``AutoInterval`` (its interval and step time); its train state's bytes,
+  and a restore of the last snapshot, bitwise checked."""
   import jax
 
+  import snapstore
   from snapstore.demo.example import ModelConfig, Trainer
   cfg = ModelConfig(vocab=vocab, dim=dim, heads=max(1, dim // 128), layers=layers, seq=seq,
                     batch=batch, lr=1e-4)
@@ -499,24 +564,36 @@ def model(steps: int, rounds: int, repeats: int, *, dim: int, layers: int, vocab
                          len(jax.tree.leaves(state)), "dim": dim, "layers": layers,
                          "seq": seq, "batch": batch}
   run = _Loop(lambda st, s: tr.step(st, s)[0], state)
-  d = ram_dir("snapstore-dc-")
-  try:
-    with manager("host_files", str(d)) as mgr:
-      run.run(steps, mgr)  # compiles, and the first save makes the store
-      none, snap = run.none_vs_every_step(steps, rounds, mgr)
-      m = mgr.metrics
-      out.update(step_ms_none=round(none * 1e3, 2), step_ms_every_1=round(snap * 1e3, 2),
-                 over_none=round(snap / none, 4), staged_bytes=m.staged_bytes,
-                 stall_ms_last=round(m.stall_seconds * 1e3, 2))
-      run.run(1, mgr)
-      expected = jax.device_get(run.state)
-      t = time.perf_counter()
-      r = mgr.restore(tr.abstract_state())
-      jax.block_until_ready(r.state)
-      out.update(restore_s=round(time.perf_counter() - t, 4), restored_step=r.step,
-                 bitwise_equal=_equal(r.state, expected))
-  finally:
-    cleanup(d)
+  for kind in kinds:
+    d = ram_dir("snapstore-dc-")
+    row: dict[str, Any] = {}
+    try:
+      with manager(kind, str(d)) as mgr:
+        run.run(steps, mgr)  # compiles, and the first save makes the store
+        none, snap = run.none_vs_every_step(steps, rounds, mgr)
+        m = mgr.metrics
+        row.update(step_ms_none=round(none * 1e3, 2), step_ms_every_1=round(snap * 1e3, 2),
+                   over_none=round(snap / none, 4), staged_bytes=m.staged_bytes,
+                   stall_ms_last=round(m.stall_seconds * 1e3, 2))
+        run.run(1, mgr)
+        expected = jax.device_get(run.state)
+        t = time.perf_counter()
+        r = mgr.restore(tr.abstract_state())
+        jax.block_until_ready(r.state)
+        row.update(restore_s=round(time.perf_counter() - t, 4), restored_step=r.step,
+                   bitwise_equal=_equal(r.state, expected))
+        del r, expected
+      if host_mtbf_s:
+        auto = snapstore.AutoInterval(host_mtbf_s=host_mtbf_s)
+        with manager(kind, str(d), interval=auto) as mgr:
+          run.run(steps, mgr, force=False)  # measures its costs
+          took = run.run(steps * rounds, mgr, force=False)
+          row.update(auto_step_ms=round(took * 1e3, 2), auto_over_none=round(took / none, 4),
+                     auto_interval=mgr.metrics.interval,
+                     auto_reason=mgr.metrics.interval_reason)
+    finally:
+      cleanup(d)
+    out[kind] = row
   return out
 
 
@@ -602,6 +679,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--steps", type=int, default=30, help="a loop's steps (overhead)")
   p.add_argument("--stores", nargs="+", choices=list(STORES), default=list(STORES),
                  help="overhead: the stores to run")
+  p.add_argument("--layout", choices=["flat", "transformer"], default="flat",
+                 help="per_step: the state's layout (transformer: 2-D bf16 params, f32 "
+                      "moments)")
   p.add_argument("--piece-mb", type=int, default=0,
                  help="host files' staging_piece_bytes, in MiB (0: the default)")
   p.add_argument("--rounds", type=int, default=2)
@@ -614,12 +694,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--model", type=int, nargs=5, default=[1024, 8, 8192, 512, 8],
                  metavar=("DIM", "LAYERS", "VOCAB", "SEQ", "BATCH"),
                  help="model: the transformer's size (the default: ~1.4 GiB of train state)")
+  p.add_argument("--model-stores", nargs="+", choices=list(STORES), default=["host_files"],
+                 help="model: the stores to train it with")
+  p.add_argument("--host-mtbf-s", type=float, default=0.0,
+                 help="model: also under AutoInterval with this host MTBF (0: not)")
   p.add_argument("--out", default="bench-results/device_check.json")
   p.add_argument("--cpu", action="store_true",
                  help="run on the CPU anyway: a smoke test of this script, not a measurement")
   a = p.parse_args(argv)
-  global PIECE_MB
-  PIECE_MB = a.piece_mb
+  global PIECE_MB, LAYOUT
+  PIECE_MB, LAYOUT = a.piece_mb, a.layout
   gpu = "cuda" in os.environ.get("JAX_PLATFORMS", "") or shutil.which("nvidia-smi")
   if gpu:
     from snapstore import recovery
@@ -650,8 +734,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out["link"] = link(a.mb, a.repeats)
     done("link")
   if "host" in a.sections:
-    out["host"] = host(a.mb, a.repeats, link_gbps=out.get("link", {}).get(
-        "d2h_4mb_pieces_gbps"))
+    out["host"] = host(a.mb, a.repeats, link_gbps=out.get("link", {}).get("d2h_best_gbps"))
     done("host")
   if "stores" in a.sections:
     state = make_state(a.state_mb[0])
@@ -663,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out["overhead"] = overhead(a.state_mb[0], a.step_ms[0], a.intervals, a.steps, a.rounds,
                                a.stores)
   if "per_step" in a.sections:
-    gbps = out.get("link", {}).get("d2h_4mb_pieces_gbps")
+    gbps = out.get("link", {}).get("d2h_best_gbps")
     cases = ([(int(c.split(":")[0]), float(c.split(":")[1])) for c in a.cases] if a.cases
              else [(mb, ms) for mb in a.state_mb for ms in a.step_ms])
     out["per_step"] = {}
@@ -676,7 +759,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dim, layers, vocab, seq, batch = a.model
     try:
       out["model"] = model(a.per_step_steps, a.rounds, a.repeats, dim=dim, layers=layers,
-                           vocab=vocab, seq=seq, batch=batch)
+                           vocab=vocab, seq=seq, batch=batch, kinds=a.model_stores,
+                           host_mtbf_s=a.host_mtbf_s)
     except ImportError as e:  # flax/optax are the demo's extra
       out["model"] = {"skipped": f"needs snapstore[demo]: {e}"}
     done("model")

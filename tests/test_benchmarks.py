@@ -87,14 +87,26 @@ def test_device_check_runs_every_section_on_cpu_devices_bitwise(tmp_path):
 
 
 def test_device_check_host_and_model_sections_on_cpu(tmp_path):
-  result = _run(device_check, ["--cpu", "--sections", "host", "model", "--mb", "32",
-                               "--model", "32", "1", "64", "16", "8", "--per-step-steps", "2",
-                               "--rounds", "1", "--repeats", "1"],
+  result = _run(device_check, ["--cpu", "--sections", "host", "model", "per_step",
+                               "--mb", "32", "--model", "32", "1", "64", "16", "8",
+                               "--model-stores", "host_files", "pinned_device_sum",
+                               "--host-mtbf-s", "3600", "--per-step-steps", "2",
+                               "--rounds", "1", "--repeats", "1", "--layout", "transformer",
+                               "--state-mb", "4", "--step-ms", "1",
+                               "--per-step-stores", "pinned_device_sum"],
                 tmp_path / "device_check.json")
   _positive(*(result["host"][f"copy_crc_{n}_threads_gbps"] for n in (1, 2, 4, 8)))
-  m = result["model"]
-  assert m["bitwise_equal"] and m["restored_step"] == 7, m  # (2 + 2 + 2 steps, then 1)
-  _positive(m["step_ms_none"], m["step_ms_every_1"], m["state_mb"])
+  model = result["model"]
+  _positive(model["state_mb"])
+  restored = 7  # (2 + 2 + 2 steps, then 1)
+  for kind in ("host_files", "pinned_device_sum"):
+    m = model[kind]
+    assert m["bitwise_equal"] and m["restored_step"] == restored, m
+    _positive(m["step_ms_none"], m["step_ms_every_1"], m["auto_step_ms"], m["auto_interval"])
+    restored += 2 + 2 + 7  # the AutoInterval loops, then the next store's 2 + 4 + 1
+  (row,) = result["per_step"].values()
+  assert row["layout"] == "transformer" and row["leaves"] == 4 * 18, row  # 4 blocks
+  assert row["pinned_device_sum"]["bitwise_equal"], row
 
 
 def test_checksum_benchmark_smoke(tmp_path):

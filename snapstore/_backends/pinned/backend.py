@@ -289,12 +289,15 @@ class PinnedHostBackend(DomainStores):
                    wanted: Sequence[tuple[jax.Device, Index]]) -> jax.Array | None:
     """:meth:`place_leaf` from staged copies: each joined on its target
     device with its checksum, checked, and made one array."""
+    if not all(isinstance(st, HostParts) for _, st in picks):
+      return None
+    # every join dispatched before any sum is read (one fetch for all)
+    joined = [join(cast(HostParts, st), device)
+              for (_, st), (device, _) in zip(picks, wanted, strict=True)]
+    sums = jax.device_get([s for _, s in joined])
     shards = []
-    for (copy, st), (device, _) in zip(picks, wanted, strict=True):
-      if not isinstance(st, HostParts):
-        return None
-      got, sums = join(st, device)
-      if as_checksum(sums) != tuple(copy.record.checksum):
+    for (copy, _), (got, _), ck in zip(picks, joined, sums, strict=True):
+      if as_checksum(ck) != tuple(copy.record.checksum):
         raise BadCopy(copy.key(assembler.plan.step), spec.path, holder=f"slice {copy.store}")
       shards.append(got)
     assembler.bytes_read += sum(c.record.nbytes for c, _ in picks)
