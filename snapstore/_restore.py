@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: what :meth:`Restore._sparse` returns where stores must go home first
+ADOPT = "adopt: stores of other indices go home first"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Inputs:
@@ -108,6 +111,7 @@ class Restore:
     self.target_specs, self.targets, self.treedef = flatten(abstract_state)
     check_targets(self.target_specs, self.targets)
     self.exchange = ""  # how the hosts' metadata met ("sparse", "full: why")
+    self.adoptions = 0  # rounds of stores sent home (.hostfiles.adopt)
 
   @contextlib.contextmanager
   def _timed(self, key: str, *, add: bool = False) -> Iterator[None]:
@@ -137,12 +141,18 @@ class Restore:
     with self._timed("scan_persistent"):
       persistent_steps = [s for s in (inp.persistent.committed_steps() if inp.persistent
                                       else []) if step is None or s == step]
+    adopting = self.adoptions < 2 and inp.backend.adoption_pending()
     values = (max([inp.newest_step] + [m.step for m in local]), self.incarnation,
-              -(persistent_steps[-1] if persistent_steps else -1))
+              -(persistent_steps[-1] if persistent_steps else -1), int(adopting))
     if isinstance(inp.peers, _multihost.Distributed):
       sparse = self._sparse(inp.peers, local, persistent_steps, values)
       if isinstance(sparse, RestoreResult):
         return sparse
+      if sparse is ADOPT:  # stores found under other indices go home, then again
+        self.adoptions += 1
+        with self._timed("adopt", add=True):
+          self.notes.extend(inp.backend.repatriate(inp.peers.collective))
+        return self._run()
       self.exchange = f"full: {sparse}"
       self.notes.append(f"every host's manifests are exchanged: {sparse}")
       logger.info(self.notes[-1])
@@ -153,7 +163,7 @@ class Restore:
       # any process saw, and one view of the persistent tier (the oldest
       # newest-commit: commits only grow), so every process picks the same
       # source.
-      manifests, (newest, incarnation, neg_latest) = inp.peers.gather_manifests(
+      manifests, (newest, incarnation, neg_latest, _) = inp.peers.gather_manifests(
           local, values)
       self._decide(incarnation=incarnation)
       persistent_steps = [s for s in persistent_steps if s <= -neg_latest]
@@ -172,7 +182,7 @@ class Restore:
     return result
 
   def _sparse(self, peers: _multihost.Distributed, local: Sequence[Any],
-              persistent_steps: list[int], values: tuple[int, int, int]
+              persistent_steps: list[int], values: tuple[int, int, int, int]
               ) -> RestoreResult | str:
     """A multi-host restore from each host's own metadata
     (:meth:`snapstore._multihost.peers.Distributed.restore`); or why every host's manifests
@@ -181,6 +191,8 @@ class Restore:
     with _switch.collections_paused(inp.options.pause_gc):
       got = peers.restore(inp.backend, inp.arenas, local, self.target_specs, self.targets,
                           step=self.step, values=values, persistent_steps=persistent_steps)
+    if got.adopt:
+      return ADOPT
     self._decide(incarnation=got.incarnation)
     self.timings.update(got.timings)
     self.timings["scan"] = self.timings["scan_persistent"] + self.timings["scan_exchange"]

@@ -229,6 +229,10 @@ class Saver:
     self._fresh = True
     self.watermark = _watermark.settle(agreement.step, reduced)
     self.metrics.watermark = -1 if self.watermark is None else self.watermark
+    try:  # (adopted stores older than it go: .hostfiles.adopt)
+      self.backend.watermark_moved(self.watermark)
+    except OSError as e:  # never a training job down for the RAM tier
+      logger.warning("step %d: an adopted store was not deleted: %s", agreement.step, e)
 
   def restored(self, step: int | None) -> None:
     """Every host restored ``step`` (None: none from RAM): the stores keep it

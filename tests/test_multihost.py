@@ -20,6 +20,7 @@ from snapstore._backends.hostfiles.store import host_dir
 from snapstore._manifest import decode
 from snapstore.recovery import REPLACEMENT_WAIT_ENV
 from snapstore.testing import Kill, launch
+from snapstore.testing.supervisor import MACHINE
 
 pytestmark = pytest.mark.slow  # real multi-process jobs: the full suite only
 
@@ -45,10 +46,12 @@ class Job:
           module="snapstore.demo.worker", **kw):
     env = {"JAX_COMPILATION_CACHE_DIR": str(self.cache_dir),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **dict(worker_env)}
+    # (with machines=, each host's store on its own machine: launch fills it in)
+    store = MACHINE if kw.get("machines") else str(self.store)
     try:  # (a batch of 24: every data-parallel degree of 1-4 hosts x 2 devices divides it)
       self.incs = launch(module,
                          ["--steps", str(steps), "--out", str(self.out), "--store",
-                          str(self.store), "--batch", "24", *args],
+                          store, "--batch", "24", *args],
                          num_hosts=HOSTS, devices_per_host=2, store_dir=self.store,
                          run_id="job", kills=kills, log_dir=self.out, env=env,
                          **{"timeout_s": 240, **kw})
@@ -213,6 +216,30 @@ def test_kills_inside_a_snapshot_or_a_restore_never_restore_a_partial_one(
   # reported, before host 2 died.
   if job.incs[3].restore is not None:
     assert job.incs[3].restore["step"] == r["step"]
+
+
+@pytest.mark.parametrize("redundancy, lose, placement", [
+    ("replica", False, [1, 2, 3, 0]),  # every process on another index's machine
+    ("parity", True, [2, 3, 0, 1]),    # and the killed host's machine lost with it
+])
+def test_a_restart_that_renumbers_every_process_restores_from_ram(
+    reference, tmp_path, cache_dir, redundancy, lose, placement):
+  """Each host keeps its store on a machine of its own; host 1 is killed,
+  and the whole job restarts with every process on another index's
+  machine (and, with parity, machine 1 gone): each process adopts the
+  store it finds there and sends it to the process of its index, so the
+  restore comes from RAM, at most the replica interval back, bitwise."""
+  args = (PARITY if redundancy == "parity" else
+          ["--hosts-per-domain", "1", "--replicas", "1"])
+  job = Job(tmp_path, cache_dir, "renumbered").run(
+      [Kill(host=1, step=5, lose_store=lose)], args=args,
+      machines=[[0, 1, 2, 3], placement])
+  assert [i.killed for i in job.incs] == [[1], []] and job.incs[-1].ok
+  r = check_resumed(job.report, reference, lo=4, hi=5)  # replicas travel every step
+  assert r["rewind_steps"] <= 1
+  assert any("came from host" in n for n in r["notes"]), r["notes"]
+  if lose:  # machine 1 is gone: its pieces were rebuilt from parity
+    assert r["bytes_read"]["exchanged"] > 0
 
 
 def test_two_lost_hosts_of_a_parity_group_fall_back_to_orbax_naming_the_group(

@@ -188,6 +188,16 @@ class Backend(PieceSource, Protocol[PendingT]):
   def set_active_domains(self, domains: Sequence[int]) -> None:
     """Snapshots go to these domains only, until the next call."""
 
+  def adoption_pending(self) -> bool:
+    """Whether this process holds stores of other indices whose snapshots
+    must go home before a restore plans (host files: :mod:`.hostfiles.adopt`)."""
+
+  def repatriate(self, coll: Any) -> list[str]:
+    """Sends them home. Collective, where any host's :meth:`adoption_pending`."""
+
+  def watermark_moved(self, watermark: int | None) -> None:
+    """The job agreed ``watermark``, a step every store holds (training thread)."""
+
   def close(self) -> None: ...
 
 
@@ -270,6 +280,15 @@ class DomainStores:
 
   def set_active_domains(self, domains: Sequence[int]) -> None:
     self._down = set(self.stores) - set(domains)
+
+  def adoption_pending(self) -> bool:
+    return False  # (stores of one kind with no other index's to adopt)
+
+  def repatriate(self, coll: Any) -> list[str]:
+    return []
+
+  def watermark_moved(self, watermark: int | None) -> None:
+    pass
 
   def close(self) -> None:
     for store in self.stores.values():

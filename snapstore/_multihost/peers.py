@@ -133,6 +133,7 @@ class Sparse:
   plan: StepPlan | None = None
   leaves: list[Any] | None = None
   fallback: str | None = None
+  adopt: bool = False  # a host holds stores to send home first (.hostfiles.adopt)
   notes: list[str] = dataclasses.field(default_factory=list)
   reasons: list[str] = dataclasses.field(default_factory=list)
   read: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -150,17 +151,21 @@ class Distributed:
 
   def restore(self, source: Any, arenas: ArenaCache | None, local: Sequence[Manifest],
               target_specs: Sequence[LeafSpec], targets: Sequence[Any], *,
-              step: int | None, values: tuple[int, int, int],
+              step: int | None, values: tuple[int, int, int, int],
               persistent_steps: Sequence[int]) -> Sparse:
     """A restore whose metadata is each host's own (:mod:`snapstore._multihost.agree`,
     :mod:`snapstore._multihost.sparse`): the agreed maxima of ``values`` (newest step,
-    incarnation, minus the persistent tier's newest commit), then,
+    incarnation, minus the persistent tier's newest commit, whether a host
+    holds stores of other indices: then ``adopt`` and nothing more), then,
     candidate by candidate, needs, holders and point-to-point moves.
     Collective."""
     coll = self.collective
     t = time.perf_counter()
-    newest, incarnation, neg_latest = agree.max64(coll, values)
+    newest, incarnation, neg_latest, adopting = agree.max64(coll, values)
     out = Sparse(newest, incarnation, -neg_latest)
+    if adopting:  # a host holds stores of other indices: they go home first
+      out.adopt = True
+      return out
     latest = -neg_latest  # (agreed: each host's listing of the tier may differ)
     bad: set[CopyKey] = set()
     scan = time.perf_counter() - t

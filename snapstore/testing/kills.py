@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
-from .._backends import host_dir
 
 logger = logging.getLogger("snapstore.testing.supervisor")
 
@@ -164,16 +162,16 @@ def _fired(k: Kill, pending: list[Kill], carried: list[Kill]) -> None:
     where[:] = [x for x in where if x is not k]
 
 
-def _record_kill(inc: Incarnation, k: Kill, store_dir: str | os.PathLike[str],
-                 run_id: str) -> None:
+def _record_kill(inc: Incarnation, k: Kill, store: Path, machine: Path | None = None
+                 ) -> None:
   inc.killed.append(k.host)
   inc.kill_time = inc.kill_time or time.time()
   logger.info("incarnation %d: %s host %d at step %d%s", inc.number,
               "SIGSTOP" if k.freeze else "SIGKILL", k.host, k.step,
               f" ({k.phase})" if k.phase else "")
   if k.lose_store:
-    where = host_dir(store_dir, run_id, k.host)
-    if not where.is_dir():
-      raise RuntimeError(f"{k}: cannot wipe host {k.host}'s store: {where} does not "
+    where = machine if machine is not None else store
+    if not store.is_dir():
+      raise RuntimeError(f"{k}: cannot wipe host {k.host}'s store: {store} does not "
                          "exist. Is that the worker's store (--store-dir, --run-id)?")
     shutil.rmtree(where)

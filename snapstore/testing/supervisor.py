@@ -57,6 +57,8 @@ from .stall import StallPolicy, StallWatch
 
 logger = logging.getLogger(__name__)
 
+#: in ``launch``'s args, the directory of the host's machine (``machines``)
+MACHINE = "{machine}"
 POLL_S = 0.02  # how often the supervisor reads PROGRESS and process states
 FENCE_POLL_S = 0.25  # how often it reads the survivors' reports of missing hosts
 PROGRESS_POLL_S = 0.25  # how often the stall watch reads every host's progress
@@ -84,7 +86,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
            min_hosts: int | None = None,
            replacement_delay_s: float = 0.0,
            teardown_delay_s: float = 0.0,
-           stall: StallPolicy | None = None) -> list[Incarnation]:
+           stall: StallPolicy | None = None,
+           machines: Sequence[Sequence[int]] | None = None) -> list[Incarnation]:
   """Runs ``python -m module args`` on ``num_hosts`` local processes until all
   exit 0, restarting the whole job after a failure (or, ``in_place``,
   replacing the failed host alone). The JAX coordination service listens
@@ -125,6 +128,12 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       ``max(60 s, 20 x the median step)``, 120 s after a process started or
       exited). Every process then writes its Python stacks into its log, the
       job is stopped and :class:`snapstore.errors.JobStalledError` raised.
+    machines: each host on a "machine" of its own, a directory
+      ``store_dir/machine-<m>`` that its store goes in (``{machine}`` in
+      ``args`` becomes it); ``machines[i][h]``: the machine host ``h`` runs
+      on in incarnation ``i`` (the last entry for later ones): a restart
+      that gives processes new indices, as a scheduler may. A kill with
+      ``lose_store`` then loses the host's whole machine directory.
 
   Each process's output goes to ``log_dir/inc<N>-host<H>.log``; a process
   that the job no longer needs, or that runs when ``launch`` ends by an
@@ -141,6 +150,7 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   """
   _check_args(num_hosts, in_place, min_hosts, replacement_delay_s=replacement_delay_s,
               teardown_delay_s=teardown_delay_s)
+  placements = _placements(machines, num_hosts, in_place)
   # (each process logs, by default beside the reports: a stall's stacks land there)
   report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
   report_dir.mkdir(parents=True, exist_ok=True)
@@ -148,8 +158,27 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
              [k for k in kills if k.incarnation is None],  # fired in any incarnation
              time.monotonic() + timeout_s, timeout_s, report_dir, report_dir, env or {},
              bind_address, in_place, host_service, max_replacements, min_hosts,
-             replacement_delay_s, teardown_delay_s, StallWatch(stall or StallPolicy()))
+             replacement_delay_s, teardown_delay_s, StallWatch(stall or StallPolicy()),
+             placements)
   return _incarnations(job, num_hosts, max_incarnations, between, shrink_to)
+
+
+def _placements(machines: Sequence[Sequence[int]] | None, num_hosts: int,
+                in_place: bool) -> list[list[int]] | None:
+  """``launch``'s ``machines``, checked: each a list of distinct machines,
+  one a host."""
+  if machines is None:
+    return None
+  if in_place:
+    raise ValueError("machines is for full restarts (a replacement in place keeps its host)")
+  out = [[int(m) for m in row] for row in machines]
+  for row in out:
+    if len(row) < num_hosts or len(set(row)) != len(row) or min(row) < 0:
+      raise ValueError(f"each entry of machines must name {num_hosts} distinct machines "
+                       f"(>= 0), one a host; got {row}")
+  if not out:
+    raise ValueError("machines must have at least one entry")
+  return out
 
 
 def _incarnations(job: _Job, hosts: int, max_incarnations: int,
@@ -210,6 +239,24 @@ class _Job:
   replacement_delay_s: float
   teardown_delay_s: float
   watch: StallWatch  # the job's progress and step time, across incarnations
+  machines: list[list[int]] | None = None  # per incarnation: host -> its machine
+
+  def machine_dir(self, number: int, host: int) -> Path:
+    """Where host ``host`` of incarnation ``number`` keeps its store: its
+    machine's directory (``machines``), else the job's one store directory."""
+    if self.machines is None:
+      return Path(self.store_dir)
+    placement = self.machines[min(number, len(self.machines) - 1)]
+    return Path(self.store_dir) / f"machine-{placement[host]}"
+
+  def store_of(self, number: int, host: int) -> Path:
+    """Host ``host``'s own store in incarnation ``number``."""
+    return host_dir(self.machine_dir(number, host), self.run_id, host)
+
+  def lost_with(self, number: int, host: int) -> Path | None:
+    """What a kill with ``lose_store`` wipes beside the host's store: its
+    whole machine, where hosts have machines (None: its store only)."""
+    return self.machine_dir(number, host) if self.machines is not None else None
 
 
 class Supervisor:
@@ -294,7 +341,7 @@ class Supervisor:
     """Feeds the stall watch every host's progress; with every process
     alive and none of it for the watch period, stops the job (:mod:`.stall`)."""
     job, inc = self.job, self.inc
-    job.watch.observe({h: read_progress(host_dir(job.store_dir, job.run_id, h))
+    job.watch.observe({h: read_progress(job.store_of(inc.number, h))
                        for h in range(self.hosts)}, now)
     quiet = job.watch.stalled_for(now)
     if (quiet is None or self.due_at or self.failed
@@ -374,7 +421,9 @@ class Supervisor:
                                    for k in self.armed[h])
     name = f"inc{self.inc.number}-host{h}" + (f"-r{self.attempts[h]}" if self.attempts[h]
                                                else "")
-    cmd = [sys.executable, "-m", "snapstore.testing._boot", job.module, *job.args]
+    where = str(job.machine_dir(self.inc.number, h))
+    cmd = [sys.executable, "-m", "snapstore.testing._boot", job.module,
+           *(a.replace(MACHINE, where) for a in job.args)]
     self.logs[h] = job.log_dir / f"{name}.log"
     job.watch.event(time.monotonic())
     with open(self.logs[h], "wb") as log:  # the child keeps its copy
@@ -387,7 +436,7 @@ class Supervisor:
     job, inc = self.job, self.inc
     for k in self.pending:
       if (k.phase is None and k.step not in self.seen_at and
-          read_progress(host_dir(job.store_dir, job.run_id, k.host))[0] >= k.step):
+          read_progress(job.store_of(inc.number, k.host))[0] >= k.step):
         self.seen_at[k.step] = now
     due = [k for k in self.pending if k.phase is None and k.step in self.seen_at
            and now - self.seen_at[k.step] >= k.delay_s]
@@ -407,7 +456,8 @@ class Supervisor:
       else:
         p.send_signal(signal.SIGKILL)
         p.wait()
-      _record_kill(inc, k, job.store_dir, job.run_id)
+      _record_kill(inc, k, job.store_of(inc.number, k.host),
+                   job.lost_with(inc.number, k.host))
       _fired(k, self.pending, job.carried)
 
   def _start_due_replacements(self) -> None:
@@ -436,7 +486,8 @@ class Supervisor:
       if (freeze is not None and p.poll() is None and p.pid not in self.sent
           and _stopped(p.pid)):  # it froze at its (first) armed freeze
         del self.armed[h]
-        _record_kill(inc, freeze, job.store_dir, job.run_id)
+        _record_kill(inc, freeze, job.store_of(inc.number, freeze.host),
+                     job.lost_with(inc.number, freeze.host))
         _fired(freeze, self.pending, job.carried)
       if h in inc.exit_codes or p.poll() is None:
         continue
@@ -446,7 +497,8 @@ class Supervisor:
       if self.armed.get(h) and code == -signal.SIGKILL and p.pid not in self.sent \
           and not fenced:
         k = self.armed.pop(h)[0]  # its first armed point killed it
-        _record_kill(inc, k, job.store_dir, job.run_id)
+        _record_kill(inc, k, job.store_of(inc.number, k.host),
+                   job.lost_with(inc.number, k.host))
         _fired(k, self.pending, job.carried)
       if self.extra_env and code not in (0, RESTART_EXIT_CODE):
         if self.service is None and h == 0:
@@ -489,7 +541,7 @@ class Supervisor:
       k = unseen[0]
       raise RuntimeError(
           f"kill {k} never fired: host {k.host} never reported step {k.step} in "
-          f"{host_dir(job.store_dir, job.run_id, k.host)}. Is that the worker's store "
+          f"{job.store_of(inc.number, k.host)}. Is that the worker's store "
           "(--store-dir, --run-id), and does the job reach that step?")
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -29,6 +31,7 @@ from ..._checksum import (
   piece_key,
 )
 from ..._index import Index, shape_of
+from ..._multihost.collective import Collective
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafSpec
@@ -37,8 +40,10 @@ from ...stores import HostFiles
 from .. import _copy
 from ..base import DomainStores, Header
 from ..staging import Report, Stager
-from . import capture as _capture
-from .store import HostStore, host_dir
+from . import adopt as _adopt, capture as _capture
+from .store import HostStore, host_dir, read_progress
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -91,6 +96,17 @@ class HostFilesBackend(DomainStores):
       if why:
         raise ValueError(why)
     self._stager = Stager.of(options)
+    # A multi-controller process claims its own store and may adopt others
+    # found on its machine at a restore (.adopt)
+    self._run_dir = Path(spec.dir) / options.run_id
+    self._adopted: dict[int, _adopt.Adopted] = {}
+    self._claim: int | None = None
+    if slices is None and num_hosts > 1:
+      self._claim = _adopt.lock(self.stores[host].root)
+      if self._claim is None:
+        logger.warning("host %d: %s is locked by another process (an older one of this "
+                       "host still running?); its snapshots stay fenced by incarnation",
+                       host, self.stores[host].root)
     self._views_plan: StepPlan | None = None  # slot views of the plan being read
     self._views: dict[tuple[int, int], np.ndarray] = {}
     self._views_lock = threading.Lock()  # fetches run on the pool
@@ -104,10 +120,54 @@ class HostFilesBackend(DomainStores):
     return _stripes_of(tuple(_devices.devices()), tuple(sorted(self._domains.items())), k)
 
   def close(self) -> None:
-    """Drops the mappings of the last restore's slots, then the stores'."""
+    """Drops the mappings of the last restore's slots, then the stores'
+    (and the locks of its own store and the adopted ones)."""
     with self._views_lock:
       self._views, self._views_plan = {}, None
     super().close()
+    for a in self._adopted.values():
+      a.store.close()
+      _adopt.unlock(a.fd)
+    self._adopted.clear()
+    if self._claim is not None:
+      _adopt.unlock(self._claim)
+      self._claim = None
+
+  # ------------------------------------------------------ stores of others
+  def read_progress(self) -> tuple[int, int]:
+    """The newest progress over this process's stores and, multi-controller,
+    every other store of the run on this machine (read only: a restart that
+    gave this process another index continues their incarnations)."""
+    own = super().read_progress()
+    if self._claim is None:
+      return own
+    others = [read_progress(path) for q, path in _adopt.host_dirs(self._run_dir)
+              if q not in self.stores]
+    return (max([own[0]] + [p[0] for p in others]), max([own[1]] + [p[1] for p in others]))
+
+  def adoption_pending(self) -> bool:
+    """Whether this machine holds a store of this run that no live process
+    claims, or one adopted whose snapshots have not gone home (a restore
+    then adopts and sends them: :meth:`repatriate`)."""
+    if self._claim is None:
+      return False
+    return any(not a.sent for a in self._adopted.values()) or bool(
+        _adopt.unclaimed(self._run_dir, set(self.stores) | set(self._adopted)))
+
+  def repatriate(self, coll: Collective) -> list[str]:
+    """Adopts the unclaimed stores on this machine and sends every adopted
+    store's snapshots to the process of its index (:func:`.adopt.repatriate`).
+    Collective (a restore's, where any host's :meth:`adoption_pending`)."""
+    if self._claim is not None:
+      self._adopted.update(_adopt.adopt(self._run_dir, set(self.stores), self._adopted,
+                                        run_id=self.run_id, keep=self.options.keep))
+    return _adopt.repatriate(coll, self.stores[self._host], self._adopted, self.run_id)
+
+  def watermark_moved(self, watermark: int | None) -> None:
+    """Deletes the adopted stores older than ``watermark``, a step every
+    store holds (:func:`.adopt.release`)."""
+    if self._adopted:
+      _adopt.release(self._adopted, watermark)
 
   def describe(self) -> str:
     return f"the host stores in {self.stores[min(self.stores)].root.parent}"

@@ -1,0 +1,96 @@
+"""Stores of other host indices on this machine (:mod:`snapstore._backends.hostfiles.adopt`):
+the claim lock, what is adoptable, a store's snapshots sent and written home
+bitwise, and when an adopted store is deleted. One process here; the
+renumbered restart with real processes is in tests/test_multihost.py."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import snapstore
+from snapstore._backends.hostfiles import adopt
+from snapstore._backends.hostfiles.store import HostStore, host_dir
+from tests.helpers import assert_bitwise_equal, host_copy, opts
+
+
+def state_at(step):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  return {"w": jax.device_put(jnp.arange(256, dtype=jnp.float32).reshape(32, 8) * step,
+                              NamedSharding(mesh, P("d"))), "step": step}
+
+
+def abstract():
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else x, state_at(1))
+
+
+def test_a_locked_store_is_never_adoptable_and_one_lock_wins(tmp_path):
+  run = tmp_path / "run"
+  for q in (0, 1, 2):
+    (run / f"host-{q}").mkdir(parents=True)
+  (run / "host-x").mkdir()  # not a store
+  held = adopt.lock(run / "host-1")  # a live process's claim
+  assert held is not None
+  assert adopt.unclaimed(run, mine={0}) == [2]
+  assert adopt.lock(run / "host-1") is None  # a second open file never gets it
+  first = adopt.lock(run / "host-2")
+  assert first is not None and adopt.lock(run / "host-2") is None
+  adopt.unlock(held)
+  assert adopt.unclaimed(run, mine={0}) == [1]  # host-2 still held by `first`
+  adopt.unlock(first)
+  assert adopt.unclaimed(run, mine={0}) == [1, 2]
+  assert adopt.lock(tmp_path / "gone") is None
+
+
+def test_an_adopted_store_goes_home_bitwise_and_is_deleted_after_a_newer_agreed_step(
+    tmp_path):
+  """Host 0's snapshots, found on "another machine" (directory A) by a
+  process that has another index there, are packed, sent (here: handed
+  over), written into host 0's own store on its machine (B) and restored
+  bitwise from B; A's copy goes once a newer step is agreed, not before."""
+  a, b = tmp_path / "a", tmp_path / "b"
+  with snapstore.SnapshotManager(opts(a, run_id="r", keep=1)) as mgr:
+    for step in (1, 2):
+      mgr.save(step, state_at(step))
+    mgr.wait_until_finished()
+  found = adopt.adopt(a / "r", mine={5}, held={}, run_id="r", keep=1)
+  assert list(found) == [0] and found[0].newest == 2
+  assert adopt.adopt(a / "r", mine={5}, held={}, run_id="r", keep=1) == {}  # locked: ours
+  segments, size = adopt.payload(found[0].store, "r")
+  data = adopt.chunk(segments, 0, size)
+  assert data.size == size
+  own = HostStore(host_dir(b, "r", 0), run_id="r", host=0, keep=1, budget_bytes=None)
+  assert adopt.receive(own, adopt.unpack(data)) == [1, 2]
+  assert adopt.receive(own, adopt.unpack(data)) == []  # already there
+  own.close()
+  with snapstore.SnapshotManager(opts(b, run_id="r", keep=1)) as mgr:
+    r = mgr.restore(abstract())
+  assert r.step == 2 and r.source is snapstore.Source.SNAPSHOT
+  assert_bitwise_equal(host_copy(state_at(2)), r.state)
+  held = dict(found)
+  assert adopt.release(held, watermark=5) == []  # not sent home yet
+  held[0].sent = True
+  assert adopt.release(held, watermark=2) == []  # its newest step is the newest agreed
+  assert os.path.isdir(a / "r" / "host-0")
+  assert adopt.release(held, watermark=3) == [0] and held == {}
+  assert not os.path.exists(a / "r" / "host-0")
+
+
+@pytest.mark.parametrize("at, n", [(0, 3), (2, 10), (7, 100), (40, 5)])
+def test_chunks_of_the_segments_are_their_bytes_end_to_end(at, n):
+  segments = [np.arange(5, dtype=np.uint8), np.arange(10, 30, dtype=np.uint8),
+              np.arange(100, 120, dtype=np.uint8)]
+  whole = np.concatenate(segments)
+  assert adopt.chunk(segments, at, n).tobytes() == whole[at:at + n].tobytes()
+
+
+def test_rounds_send_and_receive_one_store_each_at_most():
+  moves = [(0, 1, 10), (0, 2, 10), (3, 1, 5), (2, 0, 7)]
+  rounds = adopt._rounds(moves)
+  assert sorted(m for r in rounds for m in r) == sorted(moves)
+  for r in rounds:
+    assert len({p for p, _, _ in r}) == len(r) == len({q for _, q, _ in r})
