@@ -121,6 +121,14 @@ def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) 
                     *[line(r) for r in rows]])
 
 
+def _parse_machines(text: str) -> list[int]:
+  try:
+    return [int(x) for x in text.split(",")]
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"--machines {text!r}: expected machine numbers, one a host, e.g. 1,2,3,0") from None
+
+
 def _launch(args: argparse.Namespace) -> int:
   from .testing import StallPolicy, launch
   cmd = list(args.command)
@@ -137,7 +145,7 @@ def _launch(args: argparse.Namespace) -> int:
                   timeout_s=args.timeout, log_dir=args.log_dir,
                   bind_address=args.bind_address, in_place=args.in_place,
                   min_hosts=args.min_hosts, replacement_delay_s=args.replacement_delay,
-                  stall=StallPolicy(period_s=args.stall_s))
+                  stall=StallPolicy(period_s=args.stall_s), machines=args.machines)
   except (RuntimeError, TimeoutError, ValueError) as e:
     print(f"snapstore launch: {e}", file=sys.stderr)
     return 1
@@ -191,6 +199,12 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                   "step for S seconds, after writing each process's Python stacks into its "
                   "log (default: max(60 s, 20 x the median step); 120 s after a process "
                   "started or exited)")
+  la.add_argument("--machines", type=_parse_machines, nargs="+", default=None,
+                  metavar="M0,M1,...",
+                  help="give each host a machine directory STORE_DIR/machine-<M> ({machine} "
+                  "in the module's args); one placement per incarnation (the last repeats), "
+                  "e.g. 0,1,2,3 1,2,3,0: the restart gives every process another index's "
+                  "machine; a +lose kill then loses the host's machine")
   la.add_argument("--json", default=None, help="write the incarnation report here")
   la.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE ARGS...")
   la.set_defaults(fn=_launch)

@@ -24,6 +24,18 @@ def test_bad_kill_specs_are_refused(text):
     cli._parse_kill(text)
 
 
+def test_machine_placements_parse_and_bad_ones_are_refused(capsys):
+  assert cli._parse_machines("1,2,3,0") == [1, 2, 3, 0]
+  with pytest.raises(argparse.ArgumentTypeError, match="machine numbers"):
+    cli._parse_machines("1,a")
+  # (refused before any process starts: two hosts on one machine)
+  assert cli.main(["launch", "--hosts", "2", "--machines", "0,0", "--", "x"]) == 1
+  assert "distinct machines" in capsys.readouterr().err
+  assert cli.main(["launch", "--hosts", "2", "--in-place", "--machines", "0,1", "--",
+                   "x"]) == 1
+  assert "full restarts" in capsys.readouterr().err
+
+
 def test_launch_without_a_module_fails_clearly(capsys):
   assert cli.main(["launch", "--hosts", "2"]) == 2
   assert "name a module" in capsys.readouterr().out

@@ -216,7 +216,7 @@ def repatriate(coll: Collective, own: HostStore, held: dict[int, Adopted], run_i
   adopted into ``own``. Collective: every process calls it, holding
   adopted stores or not. Where two machines hold a store of one index, the
   one with the newer step is sent. Returns notes of what moved here."""
-  n, me = coll.num_hosts, coll.host
+  n, me = coll.num_hosts, coll.host  # (an index >= n: a host the job no longer has)
   sending: dict[int, list[np.ndarray]] = {}
   offers = []
   for q, a in sorted(held.items()):
@@ -224,10 +224,13 @@ def repatriate(coll: Collective, own: HostStore, held: dict[int, Adopted], run_i
       continue
     sending[q], size = payload(a.store, run_id)
     offers.append([q, a.newest, size])
+  # (every process sends a blob, empty list or not: who takes part is who sent)
+  blobs = gather_blobs(coll, msgpack.packb(offers))
+  here = {p for p, blob in enumerate(blobs) if blob}
   chosen: dict[int, tuple[int, int, int]] = {}  # index -> (holder, newest step, bytes)
-  for p, blob in enumerate(gather_blobs(coll, msgpack.packb(offers) if offers else b"")):
-    for q, newest, size in (msgpack.unpackb(blob) if blob else []):
-      if q != p and q < n and (q not in chosen or newest > chosen[q][1]):
+  for p in sorted(here):
+    for q, newest, size in msgpack.unpackb(blobs[p]):
+      if q != p and q in here and (q not in chosen or newest > chosen[q][1]):
         chosen[q] = (p, newest, size)
   notes = []
   for round_ in _rounds(sorted((p, q, size) for q, (p, _, size) in chosen.items())):
