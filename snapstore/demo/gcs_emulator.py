@@ -21,6 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..testing.supervisor import die_with_parent
+
 ENV_KEYS = ("TENSORSTORE_GCS_HTTP_URL", "STORAGE_EMULATOR_HOST",
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 
@@ -65,7 +67,8 @@ class GcsEmulator:
     self._proc = subprocess.Popen(
         [str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
          "-port", str(self.port), "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        preexec_fn=die_with_parent)  # (a SIGKILLed demo leaves no emulator behind)
     deadline = time.monotonic() + self.timeout_s
     while True:
       try:

@@ -428,7 +428,7 @@ class Supervisor:
     job.watch.event(time.monotonic())
     with open(self.logs[h], "wb") as log:  # the child keeps its copy
       return subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT,
-                              preexec_fn=_die_with_parent)
+                              preexec_fn=die_with_parent)
 
   def _fire_due_kills(self, now: float) -> None:
     """The supervisor's kills whose host reported their step (``delay_s``
@@ -551,7 +551,7 @@ except (OSError, AttributeError):
   _PRCTL = None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
   """In a worker, before it runs (Linux): SIGKILL when the supervisor's
   thread that started it ends, so that no worker outlives a supervisor that
   was killed."""
