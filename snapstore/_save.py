@@ -238,6 +238,7 @@ class Saver:
     """Every host restored ``step`` (None: none from RAM): the stores keep it
     until a newer one is agreed; an agreement in flight is dropped."""
     self.watermark, self._agreeing, self._fresh = step, None, True
+    self.backend.restore_done(step)
 
   def store_failed(self, step: int, e: BaseException) -> None:
     """A RAM-tier failure under ``FailurePolicy.CONTINUE``: counted, logged

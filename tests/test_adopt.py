@@ -4,6 +4,8 @@ bitwise, and when an adopted store is deleted. One process here; the
 renumbered restart with real processes is in tests/test_multihost.py."""
 
 import os
+import signal
+import time
 
 import jax
 import jax.numpy as jnp
@@ -57,15 +59,18 @@ def test_an_adopted_store_goes_home_bitwise_and_is_deleted_after_a_newer_agreed_
     for step in (1, 2):
       mgr.save(step, state_at(step))
     mgr.wait_until_finished()
-  found = adopt.adopt(a / "r", mine={5}, held={}, run_id="r", keep=1)
-  assert list(found) == [0] and found[0].newest == 2
-  assert adopt.adopt(a / "r", mine={5}, held={}, run_id="r", keep=1) == {}  # locked: ours
+  refused: set[int] = set()
+  found = adopt.adopt(a / "r", mine={5}, held={}, run_id="r", keep=1, refused=refused)
+  assert list(found) == [0] and found[0].newest[1] == 2
+  assert adopt.adopt(a / "r", mine={5}, held={}, run_id="r", keep=1,
+                     refused=refused) == {}  # locked: ours
   segments, size = adopt.payload(found[0].store, "r")
   data = adopt.chunk(segments, 0, size)
   assert data.size == size
   own = HostStore(host_dir(b, "r", 0), run_id="r", host=0, keep=1, budget_bytes=None)
-  assert adopt.receive(own, adopt.unpack(data)) == [1, 2]
-  assert adopt.receive(own, adopt.unpack(data)) == []  # already there
+  assert adopt.receive(own, data) == ([1, 2], [])
+  assert adopt.receive(own, data) == ([], [])  # already there
+  assert adopt.receive(own, data[:20])[1]  # a cut payload: said so, nothing raised
   own.close()
   with snapstore.SnapshotManager(opts(b, run_id="r", keep=1)) as mgr:
     r = mgr.restore(abstract())
@@ -74,10 +79,49 @@ def test_an_adopted_store_goes_home_bitwise_and_is_deleted_after_a_newer_agreed_
   held = dict(found)
   assert adopt.release(held, watermark=5) == []  # not sent home yet
   held[0].sent = True
-  assert adopt.release(held, watermark=2) == []  # its newest step is the newest agreed
+  adopt.settle(held, restored=2)  # the restore after it chose step 2
+  assert adopt.release(held, watermark=2) == []  # no newer step held by every store
   assert os.path.isdir(a / "r" / "host-0")
   assert adopt.release(held, watermark=3) == [0] and held == {}
   assert not os.path.exists(a / "r" / "host-0")
+
+
+def test_an_adopted_store_someone_writes_to_is_let_go_not_deleted(tmp_path):
+  """A process that could not claim its own store (an old one still held
+  it) writes to it anyway: an adopter sees its PROGRESS move and keeps it."""
+  with snapstore.SnapshotManager(opts(tmp_path, run_id="r", keep=1)) as mgr:
+    mgr.save(1, state_at(1))
+    mgr.wait_until_finished()
+    held = adopt.adopt(tmp_path / "r", mine={5}, held={}, run_id="r", keep=1, refused=set())
+    held[0].sent = True
+    adopt.settle(held, restored=None)  # (restored from the persistent tier: floor -1)
+    mgr.save(2, state_at(2))  # the live writer
+    mgr.wait_until_finished()
+    assert adopt.release(held, watermark=3) == [] and held == {}
+  assert os.path.isdir(tmp_path / "r" / "host-0")
+  assert adopt.unclaimed(tmp_path / "r", mine=set()) == [0]  # let go
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")
+def test_a_forked_child_does_not_keep_a_lock(tmp_path):
+  """A data loader forked from the trainer lives on after the trainer lets
+  go of its store: the store is free (the child closed its copy at fork)."""
+  (tmp_path / "host-0").mkdir()
+  fd = adopt.lock(tmp_path / "host-0")
+  pid = os.fork()
+  if pid == 0:  # the child: alive while the parent lets go
+    time.sleep(30)
+    os._exit(0)
+  try:
+    adopt.unlock(fd)
+    deadline = time.monotonic() + 10  # (the child closes its copy once it runs)
+    while adopt.unclaimed(tmp_path, mine=set()) != [0] and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert adopt.unclaimed(tmp_path, mine=set()) == [0]
+  finally:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
 
 @pytest.mark.parametrize("at, n", [(0, 3), (2, 10), (7, 100), (40, 5)])

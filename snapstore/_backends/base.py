@@ -195,6 +195,9 @@ class Backend(PieceSource, Protocol[PendingT]):
   def repatriate(self, coll: Any) -> list[str]:
     """Sends them home. Collective, where any host's :meth:`adoption_pending`."""
 
+  def restore_done(self, step: int | None) -> None:
+    """The job restored ``step`` (None: from the persistent tier)."""
+
   def watermark_moved(self, watermark: int | None) -> None:
     """The job agreed ``watermark``, a step every store holds (training thread)."""
 
@@ -286,6 +289,9 @@ class DomainStores:
 
   def repatriate(self, coll: Any) -> list[str]:
     return []
+
+  def restore_done(self, step: int | None) -> None:
+    pass
 
   def watermark_moved(self, watermark: int | None) -> None:
     pass

@@ -133,7 +133,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       ``args`` becomes it); ``machines[i][h]``: the machine host ``h`` runs
       on in incarnation ``i`` (the last entry for later ones): a restart
       that gives processes new indices, as a scheduler may. A kill with
-      ``lose_store`` then loses the host's whole machine directory.
+      ``lose_store`` then loses the host's whole machine directory. (Without
+      ``machines``, ``{machine}`` in ``args`` is ``store_dir``.)
 
   Each process's output goes to ``log_dir/inc<N>-host<H>.log``; a process
   that the job no longer needs, or that runs when ``launch`` ends by an

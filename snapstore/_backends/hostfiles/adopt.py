@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -53,22 +54,47 @@ _HOST_RE = re.compile(r"^host-(\d{1,9})$")
 CHUNK_BYTES = 64 << 20
 
 
-def lock(path: Path) -> int | None:
+#: the descriptors of the locks this process holds (a forked child closes
+#: its copies: a lock lives while any descriptor of its open file does)
+_HELD: set[int] = set()
+
+
+def _close_in_child() -> None:
+  for fd in list(_HELD):
+    try:
+      os.close(fd)
+    except OSError:
+      pass
+  _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def lock(path: Path, *, tries: int = 1, wait_s: float = 0.05) -> int | None:
   """An exclusive, non-blocking ``flock`` on directory ``path``: its file
-  descriptor, or None if another open file holds it (or ``path`` is gone)."""
+  descriptor, or None if another open file holds it (or ``path`` is gone),
+  after ``tries`` tries ``wait_s`` apart (another process's probe,
+  :func:`unclaimed`, holds it for a moment)."""
   try:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
   except OSError:
     return None
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError:
-    os.close(fd)
-    return None
-  return fd
+  for i in range(tries):
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      if i + 1 < tries:
+        time.sleep(wait_s)
+      continue
+    _HELD.add(fd)
+    return fd
+  os.close(fd)
+  return None
 
 
 def unlock(fd: int) -> None:
+  _HELD.discard(fd)
   try:
     os.close(fd)  # (the lock goes with the last descriptor of its open file)
   except OSError:
@@ -88,8 +114,9 @@ def host_dirs(run_dir: Path) -> Iterator[tuple[int, Path]]:
 
 
 def unclaimed(run_dir: Path, mine: set[int]) -> list[int]:
-  """The stores under ``run_dir`` other than ``mine`` that no open file
-  locks now (each tried and let go at once)."""
+  """The stores under ``run_dir`` other than ``mine`` (this process's own,
+  adopted, or refused ones) that no open file locks now (each tried and let
+  go at once)."""
   out = []
   for q, path in host_dirs(run_dir):
     if q in mine:
@@ -108,17 +135,20 @@ class Adopted:
 
   store: HostStore
   fd: int
-  newest: int  # its newest valid step when adopted (-1: none)
+  newest: tuple[int, int]  # (incarnation, step) of its newest valid snapshot; (-1, -1): none
+  seen: tuple[int, int]    # its PROGRESS when adopted: a change means a writer
   sent: bool = False
+  floor: int | None = None  # deleted once a watermark passes this (set when sent)
 
 
 def adopt(run_dir: Path, mine: set[int], held: Mapping[int, Adopted], *, run_id: str,
-          keep: int) -> dict[int, Adopted]:
-  """Locks and opens every store under ``run_dir`` other than ``mine`` and
-  ``held`` that no live process has claimed."""
+          keep: int, refused: set[int]) -> dict[int, Adopted]:
+  """Locks and opens every store under ``run_dir`` other than ``mine``,
+  ``held`` and ``refused`` that no live process has claimed; one that
+  cannot be read joins ``refused`` (never tried again by this process)."""
   out: dict[int, Adopted] = {}
   for q, path in host_dirs(run_dir):
-    if q in mine or q in held:
+    if q in mine or q in held or q in refused:
       continue
     fd = lock(path)
     if fd is None:
@@ -126,23 +156,48 @@ def adopt(run_dir: Path, mine: set[int], held: Mapping[int, Adopted], *, run_id:
     try:
       store = HostStore(path, run_id=run_id, host=q, keep=keep, budget_bytes=None)
       valid = _planner.fence([m for m in store.manifests() if m.run_id == run_id])
+      seen = store.read_progress()
     except Exception as e:  # noqa: BLE001 - an unusable store is not adopted
       logger.warning("the store %s was left unadopted: %s", path, e)
       unlock(fd)
+      refused.add(q)
       continue
-    out[q] = Adopted(store, fd, max((m.step for m in valid), default=-1))
+    newest = max(((m.incarnation, m.step) for m in valid), default=(-1, -1))
+    out[q] = Adopted(store, fd, newest, seen)
     logger.info("adopted the store of host %d (%s): %d snapshots, newest step %d", q, path,
-                len(valid), out[q].newest)
+                len(valid), newest[1])
   return out
 
 
+def drop(held: dict[int, Adopted], q: int) -> None:
+  """Lets go of an adopted store, leaving it as it is."""
+  a = held.pop(q)
+  a.store.close()
+  unlock(a.fd)
+
+
+def settle(held: dict[int, Adopted], restored: int | None) -> None:
+  """The restore after a repatriation chose ``restored`` (None: a step of
+  the persistent tier): the stores sent home go once a newer step than it
+  is held by every store."""
+  for a in held.values():
+    if a.sent and a.floor is None:
+      a.floor = -1 if restored is None else min(restored, a.newest[1])
+
+
 def release(held: dict[int, Adopted], watermark: int | None) -> list[int]:
-  """Deletes each adopted store whose snapshots went home and whose newest
-  step is older than ``watermark`` (a newer step every store holds); returns
-  their indices."""
+  """Deletes each adopted store that went home once ``watermark`` (a step
+  every store holds) passes its floor (:func:`settle`): never before, and
+  never one whose PROGRESS moved since it was adopted (a live writer that
+  could not claim it: it is let go instead). Returns the indices deleted."""
   out = []
   for q, a in list(held.items()):
-    if not a.sent or watermark is None or watermark <= a.newest:
+    if a.floor is None or watermark is None or watermark <= a.floor:
+      continue
+    if a.store.read_progress() != a.seen:
+      logger.warning("the adopted store %s changed since it was adopted: a process writes "
+                     "to it; it is kept", a.store.root)
+      drop(held, q)
       continue
     root = a.store.root
     a.store.close()
@@ -158,11 +213,23 @@ def release(held: dict[int, Adopted], watermark: int | None) -> list[int]:
 # ------------------------------------------------------------- sending home
 def payload(store: HostStore, run_id: str) -> tuple[list[np.ndarray], int]:
   """A store's valid snapshots as segments to send (a header, then each
-  snapshot's slot bytes, views of its files) and their total length."""
-  valid = _planner.fence([m for m in store.manifests() if m.run_id == run_id])
-  views = [store.read_buffer(m.slot, slot_bytes(m)) for m in valid]
-  header = msgpack.packb([[encode(m), int(v.nbytes)] for m, v in zip(valid, views,
-                                                                      strict=True)])
+  snapshot's slot bytes, views of its files) and their total length; a
+  snapshot that cannot be read is left out (the receiver's checksums judge
+  the rest). Never raises: a failure here would leave the others waiting."""
+  rows: list[tuple[Manifest, np.ndarray]] = []
+  try:
+    valid = _planner.fence([m for m in store.manifests() if m.run_id == run_id])
+  except Exception as e:  # noqa: BLE001 - nothing to send, said so
+    logger.warning("the adopted store %s cannot be listed: %s", store.root, e)
+    valid = []
+  for m in valid:
+    try:
+      rows.append((m, store.read_buffer(m.slot, slot_bytes(m))))
+    except Exception as e:  # noqa: BLE001 - that snapshot stays behind
+      logger.warning("step %d of the adopted store %s is left behind: %s", m.step,
+                     store.root, e)
+  views = [v for _, v in rows]
+  header = msgpack.packb([[encode(m), int(v.nbytes)] for m, v in rows])
   head = np.frombuffer(len(header).to_bytes(8, "little") + header, np.uint8)
   segments = [head, *views]
   return segments, sum(int(s.nbytes) for s in segments)
@@ -193,24 +260,33 @@ def unpack(data: np.ndarray) -> list[tuple[Manifest, np.ndarray]]:
   return out
 
 
-def receive(own: HostStore, got: list[tuple[Manifest, np.ndarray]]) -> list[int]:
-  """Writes each snapshot received into ``own`` (a slot of its own, the
-  manifest last); those it already holds are skipped. Returns the steps
-  written."""
-  have = {(m.step, m.incarnation) for m in own.manifests()}
-  out = []
-  for m, data in sorted(got, key=lambda x: x[0].step):
+def receive(own: HostStore, data: np.ndarray) -> tuple[list[int], list[str]]:
+  """Writes each snapshot of ``data`` (:func:`payload`'s) into ``own`` (a
+  slot of its own, the manifest last); those it already holds are skipped.
+  Returns (the steps written, why any was not). Never raises: the job's
+  other processes go on with their collectives."""
+  try:
+    got = unpack(data)
+    have = {(m.step, m.incarnation) for m in own.manifests()}
+  except Exception as e:  # noqa: BLE001 - nothing written, said so
+    return [], [f"the snapshots sent home could not be read: {e}"]
+  out, why = [], []
+  for m, part in sorted(got, key=lambda x: x[0].step):
     if (m.step, m.incarnation) in have or m.store != own.host:
       continue
-    slot = own.reserve(m.step, int(data.nbytes))
-    own.slot_buffer(slot)[:data.nbytes] = data
-    own.commit(dataclasses.replace(m, slot=slot))
+    try:
+      slot = own.reserve(m.step, int(part.nbytes))
+      own.slot_buffer(slot)[:part.nbytes] = part
+      own.commit(dataclasses.replace(m, slot=slot))
+    except Exception as e:  # noqa: BLE001 - this one not written (its checksums judge the rest)
+      why.append(f"step {m.step} sent home was not written: {e}")
+      continue
     out.append(m.step)
-  return out
+  return out, why
 
 
-def repatriate(coll: Collective, own: HostStore, held: dict[int, Adopted], run_id: str
-               ) -> list[str]:
+def repatriate(coll: Collective, own: HostStore, held: dict[int, Adopted], run_id: str,
+               refused: set[int]) -> list[str]:
   """Sends the snapshots of every adopted store to the process whose index
   it carries, and writes those of this process's own index that others
   adopted into ``own``. Collective: every process calls it, holding
@@ -223,26 +299,32 @@ def repatriate(coll: Collective, own: HostStore, held: dict[int, Adopted], run_i
     if a.sent or q >= n:
       continue
     sending[q], size = payload(a.store, run_id)
-    offers.append([q, a.newest, size])
+    offers.append([q, *a.newest, size])
   # (every process sends a blob, empty list or not: who takes part is who sent)
   blobs = gather_blobs(coll, msgpack.packb(offers))
   here = {p for p, blob in enumerate(blobs) if blob}
-  chosen: dict[int, tuple[int, int, int]] = {}  # index -> (holder, newest step, bytes)
+  # index -> (holder, (incarnation, step) of its newest snapshot, bytes)
+  chosen: dict[int, tuple[int, tuple[int, int], int]] = {}
   for p in sorted(here):
-    for q, newest, size in msgpack.unpackb(blobs[p]):
-      if q != p and q in here and (q not in chosen or newest > chosen[q][1]):
-        chosen[q] = (p, newest, size)
+    for q, inc, step, size in msgpack.unpackb(blobs[p]):
+      if q != p and q in here and (q not in chosen or (inc, step) > chosen[q][1]):
+        chosen[q] = (p, (inc, step), size)
   notes = []
   for round_ in _rounds(sorted((p, q, size) for q, (p, _, size) in chosen.items())):
     got = _permute_round(coll, round_, sending)
     if got is not None:
       p = next(p for p, q, _ in round_ if q == me)
-      steps = receive(own, unpack(got))
+      steps, why = receive(own, got)
       notes.append(f"the snapshots of steps {steps} of host {me}'s store came from host {p}, "
                    "which found them on its machine")
-      logger.info(notes[-1])
-  for a in held.values():
-    a.sent = True
+      notes.extend(why)
+      logger.info("; ".join(notes[-1 - len(why):]))
+  for q in list(held):  # those sent go once a newer step is held; the rest are let go
+    if chosen.get(q, (None,))[0] == me:
+      held[q].sent = True
+    elif not held[q].sent:  # (not sent: no host of that index here, or a newer copy won)
+      drop(held, q)
+      refused.add(q)
   return notes
 
 

@@ -100,9 +100,10 @@ class HostFilesBackend(DomainStores):
     # found on its machine at a restore (.adopt)
     self._run_dir = Path(spec.dir) / options.run_id
     self._adopted: dict[int, _adopt.Adopted] = {}
+    self._refused: set[int] = set()  # found, not adopted: never tried again here
     self._claim: int | None = None
-    if slices is None and num_hosts > 1:
-      self._claim = _adopt.lock(self.stores[host].root)
+    if slices is None and num_hosts > 1:  # (another's probe may hold it a moment)
+      self._claim = _adopt.lock(self.stores[host].root, tries=20, wait_s=0.05)
       if self._claim is None:
         logger.warning("host %d: %s is locked by another process (an older one of this "
                        "host still running?); its snapshots stay fenced by incarnation",
@@ -152,7 +153,7 @@ class HostFilesBackend(DomainStores):
     if self._claim is None:
       return False
     return any(not a.sent for a in self._adopted.values()) or bool(
-        _adopt.unclaimed(self._run_dir, set(self.stores) | set(self._adopted)))
+        _adopt.unclaimed(self._run_dir, set(self.stores) | set(self._adopted) | self._refused))
 
   def repatriate(self, coll: Collective) -> list[str]:
     """Adopts the unclaimed stores on this machine and sends every adopted
@@ -160,12 +161,19 @@ class HostFilesBackend(DomainStores):
     Collective (a restore's, where any host's :meth:`adoption_pending`)."""
     if self._claim is not None:
       self._adopted.update(_adopt.adopt(self._run_dir, set(self.stores), self._adopted,
-                                        run_id=self.run_id, keep=self.options.keep))
-    return _adopt.repatriate(coll, self.stores[self._host], self._adopted, self.run_id)
+                                        run_id=self.run_id, keep=self.options.keep,
+                                        refused=self._refused))
+    return _adopt.repatriate(coll, self.stores[self._host], self._adopted, self.run_id,
+                             self._refused)
+
+  def restore_done(self, step: int | None) -> None:
+    """The job restored ``step`` (None: from the persistent tier): the
+    adopted stores sent home go once a newer step is held (:func:`.adopt.settle`)."""
+    _adopt.settle(self._adopted, step)
 
   def watermark_moved(self, watermark: int | None) -> None:
-    """Deletes the adopted stores older than ``watermark``, a step every
-    store holds (:func:`.adopt.release`)."""
+    """Deletes the adopted stores sent home once ``watermark``, a step every
+    store holds, is newer than the step restored (:func:`.adopt.release`)."""
     if self._adopted:
       _adopt.release(self._adopted, watermark)
 

@@ -49,6 +49,10 @@ from .store import PINNED, PinnedHostStore, Stored
 
 logger = logging.getLogger(__name__)
 
+#: SLICE_HOSTS: the device memory a save may hold staged at once on an
+#: accelerator that reports no memory stats (``staging_budget_bytes`` caps it)
+NO_STATS_ROOM_BYTES = 1 << 30
+
 
 def memory_for(devices: Sequence[jax.Device], spec: PinnedHost) -> PinnedMemory:
   """``PinnedHost.memory`` -> PROCESS or SLICE_HOSTS. AUTO: PROCESS where
@@ -148,9 +152,11 @@ class PinnedHostBackend(DomainStores):
     slice_stager, probe = None, None
     if self._slice_staging and self._stager is not None:
       probe = live[min(live)][0]  # the devices run one program: one stands for all
+      room = self._stager.room(probe)
+      if room is None and probe.platform != "cpu":  # no memory stats: a bounded default
+        room = NO_STATS_ROOM_BYTES
       slice_stager = SliceStager(piece_bytes=self.options.staging_piece_bytes,
-                                 chunk_bytes=self.options.chunk_bytes,
-                                 room=self._stager.room(probe))
+                                 chunk_bytes=self.options.chunk_bytes, room=room)
     in_process = self.memory is PinnedMemory.PROCESS
     cap = _capture.capture(specs, leaves, slices=live, replicas=replicas,
                            step=header.step, checksum=self.checksum,

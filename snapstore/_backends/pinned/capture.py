@@ -404,12 +404,12 @@ class _LeafPlacement:
     by_shift: dict[int, list[tuple[Index, int]]] = {}
     for index, t in self.keep:
       if t not in self.holders[index]:
-        k = self.shift_to(index, t)
-        by_shift.setdefault(k, []).append((index, t))
-        ring_to = _ring_sharding(sharding, ring, k)
-        if ring_to is None:
-          return None
-        moved[k] = ring_to
+        by_shift.setdefault(self.shift_to(index, t), []).append((index, t))
+    for k in by_shift:  # (one moved mesh a shift: a copy a device shares it)
+      ring_to = _ring_sharding(sharding, ring, k)
+      if ring_to is None:
+        return None
+      moved[k] = ring_to
     staged = stager.stage(arr)
     index_of = _indices(sharding, tuple(arr.shape))
     out: dict[tuple[Index, int], Any] = {}
@@ -456,6 +456,7 @@ def _pinned_on(device: jax.Device) -> jax.sharding.Sharding:
   return single_device_sharding(device, memory_kind=PINNED)
 
 
+@functools.lru_cache(maxsize=4096)  # (the same leaves' shardings every save)
 def _ring_sharding(sharding: jax.sharding.Sharding, ring: Ring, k: int
                    ) -> NamedSharding | None:
   """``sharding`` with every device replaced by the one ``k`` domains on, in

@@ -45,9 +45,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..._checksum import _sums
-from ..._jax_compat import single_device_sharding
+from ..._jax_compat import host_array_to_device, single_device_sharding
 from ..._tree import positions
-from ..staging import Report, part_bounds
+from ..staging import Report, _group_bytes, part_bounds
 
 #: Host memory kinds in order of preference (:func:`host_kind`).
 HOST_KINDS = ("unpinned_host", "pinned_host")
@@ -131,10 +131,9 @@ def shard_shape(arr: jax.Array) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class Staged:
-  """A leaf's parts (global arrays of shape (devices, part length), one row
-  a device of their mesh; filled when :meth:`SliceStager.flush` issues the
-  puts), and its shards' checksums (uint32[devices, 2], rows as
-  :attr:`rows` says)."""
+  """A leaf's parts (global 1-D arrays of devices x part length, a device's
+  part its row; filled when :meth:`SliceStager.flush` issues the puts), and
+  its shards' checksums (uint32[devices, 2], rows as :attr:`rows` says)."""
 
   sums: jax.Array
   rows: dict[jax.Device, int]
@@ -206,7 +205,8 @@ class SliceStager:
       if staged is None:  # the first group's program also sums every shard
         staged = Staged(parts.pop(), {d: r for r, d in enumerate(s.mesh.devices.flat)},
                         shape, np.dtype(arr.dtype))
-      self._puts.append((staged, list(parts), rows))
+      self._puts.append((staged, parts, rows))
+      del parts  # (the queue holds them until flush)
       self._held += n
       self._held_all += n * s.mesh.devices.size
       self.peak = max(self.peak, self._held)
@@ -264,7 +264,9 @@ class SliceStager:
     n = len(bounds) - 1
     if self.room is None or bounds[-1] <= self.room:
       return [(0, n)]
-    limit = max(self.room // 2, 1)
+    # half the room, rounded down to a power of two of pieces: a few group
+    # sizes, so a few compiled cuts, as the free memory moves
+    limit = _group_bytes(self.room, self.piece_bytes)
     out, lo = [], 0
     for k in range(1, n + 1):
       if k - 1 > lo and bounds[k] - bounds[lo] > limit:
@@ -282,8 +284,8 @@ def _cutter(mesh: Mesh, spec: P, elems: tuple[int, ...], sums: bool) -> Callable
   axes = tuple(mesh.axis_names)
 
   def body(x: jax.Array) -> tuple[jax.Array, ...]:
-    flat = x.reshape(-1)
-    parts = [flat[a:b][None] for a, b in itertools.pairwise(elems)]
+    flat = x.reshape(-1)  # (each part 1-D: a device's row of (devices x length))
+    parts = [flat[a:b] for a, b in itertools.pairwise(elems)]
     return (*parts, _sums(x)[None]) if sums else tuple(parts)
   n = len(elems) - 1 + (1 if sums else 0)
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,),
@@ -309,7 +311,11 @@ def to_host(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> l
 def join(held: HostParts, device: jax.Device) -> tuple[jax.Array, jax.Array]:
   """(the shard ``held`` keeps, in ``device``'s memory; its checksum, made
   in the same program from the bytes that arrived)."""
-  moved = jax.device_put(list(held.parts), [single_device_sharding(device)] * len(held.parts))
+  if device.platform == "cpu":  # (_jax_compat.host_array_to_device: jaxlib 0.12.1)
+    moved = [host_array_to_device(p, device) for p in held.parts]
+  else:
+    moved = jax.device_put(list(held.parts),
+                           [single_device_sharding(device)] * len(held.parts))
   return _joiner(held.shape)(*moved)
 
 
