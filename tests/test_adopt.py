@@ -3,8 +3,10 @@ the claim lock, what is adoptable, a store's snapshots sent and written home
 bitwise, and when an adopted store is deleted. One process here; the
 renumbered restart with real processes is in tests/test_multihost.py."""
 
+import dataclasses
 import os
 import signal
+import threading
 import time
 
 import jax
@@ -138,3 +140,109 @@ def test_rounds_send_and_receive_one_store_each_at_most():
   assert sorted(m for r in rounds for m in r) == sorted(moves)
   for r in rounds:
     assert len({p for p, _, _ in r}) == len(r) == len({q for _, q, _ in r})
+
+
+class _Group:
+  """The collective of ``n`` threads, one a host: sums and permutes."""
+
+  def __init__(self, n):
+    self.n, self.put, self.out = n, {}, None
+    self.barrier = threading.Barrier(n, action=self._combine)
+    self.after = threading.Barrier(n)
+
+  def _combine(self):
+    kind = next(iter(self.put.values()))[0]
+    if kind == "sum":
+      self.out = np.sum([v for _, v in self.put.values()], axis=0, dtype=np.uint8)
+    else:  # permute: receiver -> its sender's payload, zero-padded to the width
+      pairs, width = next(iter(self.put.values()))[1][0], self.put[0][1][2]
+      self.out = {}
+      for src, dst in pairs:
+        buf = np.zeros(width, np.uint8)
+        payload = self.put[src][1][1]
+        if payload is not None:
+          buf[:payload.size] = payload
+        self.out[dst] = buf
+    self.put = {}
+
+  def call(self, host, kind, value):
+    self.put[host] = (kind, value)
+    self.barrier.wait()
+    out = self.out
+    self.after.wait()
+    return out
+
+
+class _Fake:
+  def __init__(self, group, host):
+    self.group, self.host, self.num_hosts = group, host, group.n
+
+  def sum_bytes(self, buf):
+    return self.group.call(self.host, "sum", np.ascontiguousarray(buf).view(np.uint8)).copy()
+
+  def permute(self, pairs, payload, width):
+    got = self.group.call(self.host, "perm", (tuple(pairs), payload, width))
+    return got.get(self.host)
+
+
+def test_stores_found_on_other_machines_go_home_in_rounds_and_chunks(tmp_path, monkeypatch):
+  """4 processes, host h now on machine h, which holds other indices' stores:
+  machine 0 those of hosts 3 and 1 (two rounds: one sender, two stores),
+  machine 1 host 0's and a stale copy of host 2's (step 1 only), machine 3
+  host 2's. Chunks of 4 KiB, so each store takes several permutes. Every
+  process ends with its own snapshots, bitwise; host 2 with the newer copy."""
+  monkeypatch.setattr(adopt, "CHUNK_BYTES", 4096)
+  src = tmp_path / "src"
+  with snapstore.SnapshotManager(opts(src, run_id="r", keep=1)) as mgr:
+    for step in (1, 2):
+      mgr.save(step, state_at(step))
+    mgr.wait_until_finished()
+  base = HostStore(host_dir(src, "r", 0), run_id="r", host=0, keep=1, budget_bytes=None)
+  machines = [tmp_path / f"m{m}" for m in range(4)]
+
+  def make(m, q, steps):  # host q's store on machine m, relabelled from host 0's
+    store = HostStore(host_dir(machines[m], "r", q), run_id="r", host=q, keep=1,
+                      budget_bytes=None)
+    for man in base.manifests():
+      if man.step in steps:
+        data = base.read_buffer(man.slot, adopt.slot_bytes(man))
+        slot = store.reserve(man.step, data.nbytes)
+        store.slot_buffer(slot)[:data.nbytes] = data
+        store.commit(dataclasses.replace(man, store=q, slot=slot))
+    store.close()
+  make(0, 3, (1, 2))
+  make(0, 1, (1, 2))
+  make(1, 0, (1, 2))
+  make(1, 2, (1,))  # stale
+  make(3, 2, (1, 2))
+  group, notes, owns = _Group(4), {}, {}
+
+  errors = {}
+
+  def host(h):
+    try:
+      run = machines[h] / "r"
+      owns[h] = own = HostStore(run / f"host-{h}", run_id="r", host=h, keep=1,
+                                budget_bytes=None)
+      held = adopt.adopt(run, mine={h}, held={}, run_id="r", keep=1, refused=set())
+      notes[h] = (sorted(held), adopt.repatriate(_Fake(group, h), own, held, "r", set()),
+                  {q: a.sent for q, a in held.items()})
+    except Exception as e:  # noqa: BLE001 - the others stop waiting for this one
+      errors[h] = e
+      group.barrier.abort()
+      group.after.abort()
+  threads = [threading.Thread(target=host, args=(h,)) for h in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  assert not errors, errors
+  assert [notes[h][0] for h in range(4)] == [[1, 3], [0, 2], [], [2]]
+  assert notes[1][2] == {0: True}  # (its stale copy of host 2's lost: let go)
+  want = {m.step: base.read_buffer(m.slot, adopt.slot_bytes(m)).tobytes()
+          for m in base.manifests()}
+  for h, own in owns.items():
+    got = {m.step: own.read_buffer(m.slot, adopt.slot_bytes(m)).tobytes()
+           for m in own.manifests()}
+    assert all(m.store == h for m in own.manifests())
+    assert got == want, (h, sorted(got), notes[h])
