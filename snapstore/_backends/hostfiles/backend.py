@@ -102,7 +102,8 @@ class HostFilesBackend(DomainStores):
     self._adopted: dict[int, _adopt.Adopted] = {}
     self._refused: set[int] = set()  # found, not adopted: never tried again here
     self._claim: int | None = None
-    if slices is None and num_hosts > 1:  # (another's probe may hold it a moment)
+    self._claims = slices is None and num_hosts > 1
+    if self._claims:  # (another's probe may hold it a moment)
       self._claim = _adopt.lock(self.stores[host].root, tries=20, wait_s=0.05)
       if self._claim is None:
         logger.warning("host %d: %s is locked by another process (an older one of this "
@@ -140,7 +141,7 @@ class HostFilesBackend(DomainStores):
     every other store of the run on this machine (read only: a restart that
     gave this process another index continues their incarnations)."""
     own = super().read_progress()
-    if self._claim is None:
+    if not self._claims:
       return own
     others = [read_progress(path) for q, path in _adopt.host_dirs(self._run_dir)
               if q not in self.stores]
@@ -150,7 +151,7 @@ class HostFilesBackend(DomainStores):
     """Whether this machine holds a store of this run that no live process
     claims, or one adopted whose snapshots have not gone home (a restore
     then adopts and sends them: :meth:`repatriate`)."""
-    if self._claim is None:
+    if not self._claims:
       return False
     return any(not a.sent for a in self._adopted.values()) or bool(
         _adopt.unclaimed(self._run_dir, set(self.stores) | set(self._adopted) | self._refused))
@@ -159,7 +160,7 @@ class HostFilesBackend(DomainStores):
     """Adopts the unclaimed stores on this machine and sends every adopted
     store's snapshots to the process of its index (:func:`.adopt.repatriate`).
     Collective (a restore's, where any host's :meth:`adoption_pending`)."""
-    if self._claim is not None:
+    if self._claims:
       self._adopted.update(_adopt.adopt(self._run_dir, set(self.stores), self._adopted,
                                         run_id=self.run_id, keep=self.options.keep,
                                         refused=self._refused))
@@ -184,6 +185,8 @@ class HostFilesBackend(DomainStores):
   # ------------------------------------------------------------------ save
   def capture(self, header: Header, specs: Sequence[LeafSpec], leaves: Sequence[Any], *,
               replicas: int) -> _Pending:
+    if self._claims and self._claim is None:  # its old holder may be gone now
+      self._claim = _adopt.lock(self.stores[self._host].root)
     if self._domain_of is not None:
       up = set(self.live())
       live = {d: k for d, k in self._domain_of.items() if k in up}
