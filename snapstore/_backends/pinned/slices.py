@@ -327,3 +327,49 @@ def _joiner(shape: tuple[int, ...]) -> Callable[..., tuple[jax.Array, jax.Array]
     x = flat.reshape(shape)
     return x, _sums(x)
   return jax.jit(body)
+
+
+def join_leaf(held: Sequence[HostParts], sharding: NamedSharding, shape: tuple[int, ...]
+              ) -> tuple[jax.Array, jax.Array, dict[jax.Device, int]] | None:
+  """A whole leaf from its devices' staged copies in one program: each part
+  made one global array in host memory (``held[i]`` on the ``i``-th device
+  of ``sharding``'s mesh), all moved in one batched put, joined into the
+  shards by one ``shard_map``, which also sums each shard. Returns (the
+  leaf, uint32[devices, 2] sums, device -> its row), or None where the
+  copies do not line up (the caller joins them one by one)."""
+  mesh = sharding.mesh
+  if not isinstance(mesh, Mesh) or not held:
+    return None
+  devices = list(mesh.devices.flat)
+  first = held[0]
+  lengths = tuple(int(p.size) for p in first.parts)
+  if (len(held) != len(devices) or any(h.device != d for h, d in zip(held, devices, strict=True))
+      or any(h.shape != first.shape or tuple(int(p.size) for p in h.parts) != lengths
+             for h in held)
+      or any(p.ndim != 1 for h in held for p in h.parts)):
+    return None
+  rows = rows_sharding(mesh)
+  kind = first.memory_kind
+  where = rows.with_memory_kind(kind) if kind else rows
+  globals_ = [jax.make_array_from_single_device_arrays((len(devices) * n,), where,
+                                                       [h.parts[k] for h in held])
+              for k, n in enumerate(lengths)]
+  moved = jax.device_put(globals_, [rows] * len(globals_))
+  arr, sums = _leaf_joiner(mesh, sharding.spec, first.shape, len(lengths))(*moved)
+  if tuple(arr.shape) != tuple(shape):
+    return None
+  return arr, sums, {d: r for r, d in enumerate(devices)}
+
+
+@functools.lru_cache(maxsize=1024)
+def _leaf_joiner(mesh: Mesh, spec: P, shard: tuple[int, ...], n: int
+                 ) -> Callable[..., tuple[jax.Array, jax.Array]]:
+  axes = tuple(mesh.axis_names)
+
+  def body(*parts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    flat = parts[0] if n == 1 else jnp.concatenate(parts)
+    x = flat.reshape(shard)
+    return x, _sums(x)[None]
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes),) * n,
+                               out_specs=(spec, P(axes)), check_vma=False))
+
