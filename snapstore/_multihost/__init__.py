@@ -15,7 +15,15 @@ order all processes agree on (:mod:`snapstore._devices`), so a test or a
 benchmark can replace it to play one host of thousands.
 """
 
-from .collective import NONE as NONE, Collective as Collective, Traffic as Traffic, bucket as bucket
+from .collective import (
+  NONE as NONE,
+  Collective as Collective,
+  Traffic as Traffic,
+  bucket as bucket,
+  gather_blobs as gather_blobs,
+)
+from .moves import slot_bytes as slot_bytes
 from .peers import Distributed as Distributed, Solo as Solo, for_job as for_job
 
-__all__ = ["Collective", "Distributed", "Solo", "Traffic", "bucket", "for_job"]
+__all__ = ["Collective", "Distributed", "Solo", "Traffic", "bucket", "for_job", "gather_blobs",
+           "slot_bytes"]

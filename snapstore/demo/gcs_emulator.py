@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..testing.supervisor import die_with_parent
+from ..testing import die_with_parent
 
 ENV_KEYS = ("TENSORSTORE_GCS_HTTP_URL", "STORAGE_EMULATOR_HOST",
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")

@@ -18,7 +18,11 @@ side of it, and the conformance suite every snapshot backend passes.
 
 from .kills import Incarnation as Incarnation, Kill as Kill
 from .stall import StallPolicy as StallPolicy
-from .supervisor import Supervisor as Supervisor, launch as launch
+from .supervisor import (
+  Supervisor as Supervisor,
+  die_with_parent as die_with_parent,
+  launch as launch,
+)
 from .worker import (
     global_digest as global_digest,
     in_place_from_env as in_place_from_env,
@@ -28,5 +32,6 @@ from .worker import (
     report_restore as report_restore,
 )
 
-__all__ = ["Incarnation", "Kill", "StallPolicy", "Supervisor", "global_digest", "in_place_from_env",
-           "incarnation_from_env", "init_from_env", "launch", "report_digest", "report_restore"]
+__all__ = ["Incarnation", "Kill", "StallPolicy", "Supervisor", "die_with_parent",
+           "global_digest", "in_place_from_env", "incarnation_from_env", "init_from_env",
+           "launch", "report_digest", "report_restore"]

@@ -96,14 +96,12 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
   Args:
     module, args, num_hosts, devices_per_host: what runs, on how many
       processes, with how many CPU devices each.
-    store_dir: the workers' store directory (their ``HostFiles.dir``), where
-      the supervisor reads each host's progress: a kill the supervisor cannot
-      see happen (its host never reports the step there) is an error.
+    store_dir: the workers' ``HostFiles.dir``, where the supervisor reads
+      each host's progress (a kill it cannot see happen is an error).
     run_id, kills: the workers' ``SnapshotOptions.run_id``; faults to inject.
     shrink_to: restart with fewer hosts (the first ``shrink_to`` stores kept).
     max_incarnations, timeout_s: runs of the job allowed; its time limit.
-    log_dir, env: where each process's log and report go (default: under
-      the store); environment added to each process's.
+    log_dir, env: logs and reports (default: under the store); more environment.
     between: run after a failed incarnation, before the next (to damage stores).
     in_place: the workers recover in place (:mod:`snapstore.recovery`): the
       supervisor hosts the coordination service, and a worker that dies is
@@ -111,8 +109,8 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
       worker exiting with ``recovery.RESTART_EXIT_CODE``, more than
       ``max_replacements`` replacements, or a JAX without the APIs it needs
       restart the whole job instead (``Incarnation.fallback`` says why).
-    host_service: False leaves the service in process 0, as
-      ``jax.distributed`` does: losing host 0 then ends the incarnation.
+    host_service: False leaves the service in process 0 (``jax.distributed``'s
+      way): losing host 0 then ends the incarnation.
     min_hosts: in place, the survivors go on while at least this many hosts
       are live, without waiting for a replacement
       (:class:`snapstore.recovery.ResizePolicy`), and grow back when it
@@ -121,24 +119,19 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     replacement_delay_s: each replacement starts this much later (no spare
       host at once); without ``in_place``, the incarnation after a failure.
     teardown_delay_s: a full restart: after a host fails, the others run on
-      this long (or until they exit) before the incarnation is torn down, as
-      under a scheduler that notices a lost host seconds later.
+      this long (or until they exit), as under a slow scheduler.
     stall: when a job whose processes all live but whose steps stopped is
       called stalled (:class:`StallPolicy`; default: no step for
       ``max(60 s, 20 x the median step)``, 120 s after a process started or
       exited). Every process then writes its Python stacks into its log, the
       job is stopped and :class:`snapstore.errors.JobStalledError` raised.
-    machines: each host on a "machine" of its own, a directory
-      ``store_dir/machine-<m>`` that its store goes in (``{machine}`` in
-      ``args`` becomes it); ``machines[i][h]``: the machine host ``h`` runs
-      on in incarnation ``i`` (the last entry for later ones): a restart
-      that gives processes new indices, as a scheduler may. A kill with
-      ``lose_store`` then loses the host's whole machine directory. (Without
-      ``machines``, ``{machine}`` in ``args`` is ``store_dir``.)
+    machines: ``machines[i][h]``: the machine host ``h`` runs on in
+      incarnation ``i`` (the last entry repeats), its store under
+      ``store_dir/machine-<m>`` (``{machine}`` in ``args``; without
+      ``machines``: ``store_dir``); ``lose_store`` then loses the machine.
 
-  Each process's output goes to ``log_dir/inc<N>-host<H>.log``; a process
-  that the job no longer needs, or that runs when ``launch`` ends by an
-  exception (Ctrl-C, a signal the caller turned into one), is killed.
+  Each process logs to ``log_dir/inc<N>-host<H>.log``; one the job no longer
+  needs, or alive when ``launch`` raises (Ctrl-C, a signal), is killed.
 
   Returns:
     One :class:`Incarnation` per run of the job, the last one succeeded.

@@ -43,8 +43,7 @@ import numpy as np
 
 from ... import _planner
 from ..._manifest import Manifest, decode, encode
-from ..._multihost.collective import Collective, gather_blobs
-from ..._multihost.moves import slot_bytes
+from ..._multihost import Collective, gather_blobs, slot_bytes
 from .store import HostStore
 
 logger = logging.getLogger(__name__)

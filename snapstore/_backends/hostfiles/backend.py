@@ -31,7 +31,7 @@ from ..._checksum import (
   piece_key,
 )
 from ..._index import Index, shape_of
-from ..._multihost.collective import Collective
+from ..._multihost import Collective
 from ..._placement import host_domains
 from ..._planner import Copy, StepPlan
 from ..._tree import LeafSpec
