@@ -218,27 +218,29 @@ def test_kills_inside_a_snapshot_or_a_restore_never_restore_a_partial_one(
     assert job.incs[3].restore["step"] == r["step"]
 
 
-@pytest.mark.parametrize("redundancy, lose, placement", [
-    ("replica", False, [1, 2, 3, 0]),  # every process on another index's machine
-    ("parity", True, [2, 3, 0, 1]),    # and the killed host's machine lost with it
+@pytest.mark.parametrize("redundancy, killed, lose, placement", [
+    ("replica", 1, False, [1, 2, 3, 0]),  # every process on another index's machine
+    ("replica", 3, True, [3, 0, 1, 2]),   # and the killed host's machine lost with it
+    ("parity", 1, True, [2, 3, 0, 1]),
 ])
 def test_a_restart_that_renumbers_every_process_restores_from_ram(
-    reference, tmp_path, cache_dir, redundancy, lose, placement):
-  """Each host keeps its store on a machine of its own; host 1 is killed,
+    reference, tmp_path, cache_dir, redundancy, killed, lose, placement):
+  """Each host keeps its store on a machine of its own; a host is killed,
   and the whole job restarts with every process on another index's
-  machine (and, with parity, machine 1 gone): each process adopts the
+  machine (and its machine gone, with ``lose``): each process adopts the
   store it finds there and sends it to the process of its index, so the
-  restore comes from RAM, at most the replica interval back, bitwise."""
+  restore comes from RAM, at most the replica interval back, bitwise.
+  (Host 0's report: with replicas host 3's copy is host 0's to send.)"""
   args = (PARITY if redundancy == "parity" else
           ["--hosts-per-domain", "1", "--replicas", "1"])
   job = Job(tmp_path, cache_dir, "renumbered").run(
-      [Kill(host=1, step=5, lose_store=lose)], args=args,
+      [Kill(host=killed, step=5, lose_store=lose)], args=args,
       machines=[[0, 1, 2, 3], placement])
-  assert [i.killed for i in job.incs] == [[1], []] and job.incs[-1].ok
+  assert [i.killed for i in job.incs] == [[killed], []] and job.incs[-1].ok
   r = check_resumed(job.report, reference, lo=4, hi=5)  # replicas travel every step
   assert r["rewind_steps"] <= 1
   assert any("came from host" in n for n in r["notes"]), r["notes"]
-  if lose:  # machine 1 is gone: its pieces were rebuilt from parity
+  if lose:  # machine 1 is gone: its pieces came from a replica or parity over the wire
     assert r["bytes_read"]["exchanged"] > 0
 
 
