@@ -136,29 +136,27 @@ def make_state(state_mb: int, leaves: int = 16) -> dict[str, Any]:
 
 
 def transformer_state(state_mb: int) -> dict[str, Any]:
-  """A transformer's layout of about ``state_mb``: per block, bf16 params
-  (1024, 1024) x 4 and (1024, 4096) x 2, each with two f32 moments (120 MiB
-  a block), 2-D leaves sharded over every local device on their first axis."""
+  """:mod:`benchmarks.restore_layouts`' ``transformer`` layout (per block bf16
+  params (1024, 1024) x 4 and (1024, 4096) x 2 with two f32 moments each)
+  in blocks of about ``state_mb``, made on the devices (host-made random
+  bytes take minutes at 4 GiB), sharded over every local device on their
+  first axis. On CPU a smoke test: 1/64 the bytes a block."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from benchmarks.restore_layouts import BLOCK_BYTES, layout_shapes
   mesh = jax.make_mesh((len(jax.devices()),), ("d",))
   sharding = NamedSharding(mesh, P("d"))
-  d = 128 if jax.default_backend() == "cpu" else 1024  # (CPU: a smoke test, 1/64 the bytes)
-  shapes = [(d, d)] * 4 + [(d, 4 * d)] * 2
+  scale = 8 if jax.default_backend() == "cpu" else 1
+  blocks = max(1, (state_mb << 20) // (BLOCK_BYTES // scale ** 2))
 
   @functools.cache
-  def maker(shape: tuple[int, int], dtype: Any) -> Callable[[Any], Any]:
+  def maker(shape: tuple[int, ...], dtype: str) -> Callable[[Any], Any]:
     return jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype),
                    out_shardings=sharding)
-  out: dict[str, Any] = {}
-  for b in range(max(1, state_mb // (120 * d * d >> 20))):
-    for j, shape in enumerate(shapes):
-      k = jax.random.key(b * 64 + j)
-      out[f"b{b:03d}_p{j}"] = maker(shape, jnp.bfloat16)(k)
-      out[f"b{b:03d}_m{j}"] = maker(shape, jnp.float32)(jax.random.fold_in(k, 1))
-      out[f"b{b:03d}_v{j}"] = maker(shape, jnp.float32)(jax.random.fold_in(k, 2))
-  return out
+  return {f"l{i:04d}": maker(shape, dtype)(jax.random.key(i))
+          for i, (shape, dtype) in enumerate(layout_shapes("transformer", scale, blocks))}
 
 
 #: per_step's state layout (``--layout``): ``flat`` (16 f32 leaves) or ``transformer``

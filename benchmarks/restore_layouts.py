@@ -40,15 +40,21 @@ STORES = {"host_files": ("HOST_FILES", "", ""),
           "pinned_slice_hosts": ("PINNED_HOST", "DEVICE", "SLICE_HOSTS")}
 
 
-def _shapes(layout: str, scale: int) -> list[tuple[tuple[int, ...], str]]:
-  """(shape, dtype) of each leaf; ``scale`` divides the sizes (smoke test)."""
+#: bytes of one ``transformer`` block at ``scale`` 1 (120 MiB; over scale**2 at another)
+BLOCK_BYTES = 120 << 20
+
+
+def layout_shapes(layout: str, scale: int, blocks: int = 12) -> list[tuple[tuple[int, ...], str]]:
+  """(shape, dtype) of each leaf; ``scale`` divides the sizes (smoke test);
+  ``blocks``: a ``transformer``'s blocks (per block 6 bf16 params, 2 f32
+  moments each)."""
   d = max(1024 // scale, 8)
   if layout == "flat":
     return [((16384 // scale, 1024), "float32")] * 16
   if layout == "transformer":  # ~1 GiB: per block 4 (d, d) + 2 (d, 4d) bf16, x5 with moments
     block = [((d, d), "bfloat16")] * 4 + [((d, 4 * d), "bfloat16")] * 2
     moments = [(s, "float32") for s, _ in block] * 2
-    return (block + moments) * 12
+    return (block + moments) * blocks
   if layout == "stacked":
     layers = max(8 // scale, 2)
     params = [((layers, d, d), "bfloat16")] * 4 + [((layers, d, 4 * d), "bfloat16")] * 2
@@ -70,7 +76,7 @@ def make_state(layout: str, scale: int) -> dict[str, Any]:
   mesh = jax.make_mesh((len(devices),), ("d",))
   rng = np.random.default_rng(0)
   out = {}
-  for i, (shape, dtype) in enumerate(_shapes(layout, scale)):
+  for i, (shape, dtype) in enumerate(layout_shapes(layout, scale)):
     spec = P("d") if shape[0] % len(devices) == 0 else P()
     host = rng.standard_normal(shape, np.float32)
     host = host.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else host

@@ -105,7 +105,7 @@ def test_device_check_host_and_model_sections_on_cpu(tmp_path):
     _positive(m["step_ms_none"], m["step_ms_every_1"], m["auto_step_ms"], m["auto_interval"])
     restored += 2 + 2 + 7  # the AutoInterval loops, then the next store's 2 + 4 + 1
   (row,) = result["per_step"].values()
-  assert row["layout"] == "transformer" and row["leaves"] == 4 * 18, row  # 4 blocks
+  assert row["layout"] == "transformer" and row["leaves"] == 2 * 18, row  # 2 of 1.875 MiB
   assert row["pinned_device_sum"]["bitwise_equal"], row
 
 

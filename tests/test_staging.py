@@ -433,3 +433,16 @@ def test_slice_hosts_keeps_each_copy_as_pieces_in_its_slices_host_memory(store_d
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
         owners.setdefault(name, set()).add(rec.owner)
       assert owners == {n: {0, 1} for n in ("w", "cols", "half")}, owners
+
+
+def test_slice_hosts_stages_only_what_its_program_can_cut():
+  """A mesh sharding of device memory over an even split is staged; an
+  empty leaf, a leaf in host memory and a single-device leaf go as they
+  are (and a leaf that is not split evenly cannot exist as such)."""
+  from snapstore._backends.pinned.slices import stageable
+  state = make_state()
+  assert stageable(state["w"]) and stageable(state["cols"]) and stageable(state["rep"])
+  assert not stageable(state["empty"])
+  pinned = jax.device_put(state["w"], state["w"].sharding.with_memory_kind("pinned_host"))
+  assert not stageable(pinned)
+  assert not stageable(jax.device_put(np.ones(4, np.float32), jax.devices()[0]))

@@ -262,24 +262,14 @@ class PinnedHostBackend(DomainStores):
     if any(c.record.kind is not ChecksumKind.DEVICE_SUM for c, _ in picks):
       return None
     try:
-      if any(isinstance(st, HostParts) for _, st in picks):
-        return self._place_parts(assembler, spec, sharding, picks, wanted)
-      arrays = [st for _, st in picks if isinstance(st, jax.Array)]
-      if wanted and wanted[0][0].platform == "cpu":  # (_jax_compat.host_array_to_device)
-        arr = jax.make_array_from_single_device_arrays(spec.shape, sharding, [
-            host_array_to_device(st, device) for st, (device, _) in zip(arrays, wanted,
-                                                                        strict=True)])
-      else:
-        pinned = jax.make_array_from_single_device_arrays(
-            spec.shape, sharding.with_memory_kind(PINNED), arrays)
-        arr = jax.device_put(pinned, sharding)
-      sums = shard_checksums(arr)
-      if sums is None:
+      got = (self._place_parts(spec, sharding, picks, wanted)
+             if any(isinstance(st, HostParts) for _, st in picks)
+             else _place_arrays(spec, sharding, picks, wanted))
+      if got is None:
         return None
-      out, rows = sums
-      got = np.asarray(out)
-      for (copy, _), (device, _) in zip(picks, wanted, strict=True):
-        if as_checksum(got[rows[device]]) != tuple(copy.record.checksum):
+      arr, sums = got
+      for (copy, _), ck in zip(picks, sums, strict=True):
+        if as_checksum(ck) != tuple(copy.record.checksum):
           raise BadCopy(copy.key(plan.step), spec.path, holder=f"slice {copy.store}")
     except BadCopy as e:
       assembler.mark_bad(e)
@@ -289,37 +279,53 @@ class PinnedHostBackend(DomainStores):
     assembler.bytes_read += sum(c.record.nbytes for c, _ in picks)
     return arr
 
-
-  def _place_parts(self, assembler: Assembler, spec: LeafSpec,
-                   sharding: jax.sharding.Sharding,
+  @staticmethod
+  def _place_parts(spec: LeafSpec, sharding: jax.sharding.Sharding,
                    picks: Sequence[tuple[Copy, jax.Array | HostParts]],
-                   wanted: Sequence[tuple[jax.Device, Index]]) -> jax.Array | None:
-    """:meth:`place_leaf` from staged copies: each joined on its target
-    device with its checksum, checked, and made one array."""
+                   wanted: Sequence[tuple[jax.Device, Index]]
+                   ) -> tuple[jax.Array, list[np.ndarray]] | None:
+    """:meth:`place_leaf` from staged copies: (the leaf, each pick's sum
+    recomputed on its device). The whole leaf in one program where the
+    target is a mesh of the copies' devices (:func:`.slices.join_leaf`),
+    else each copy joined on its device, every join dispatched before any
+    sum is read."""
     if not all(isinstance(st, HostParts) for _, st in picks):
       return None
     held = [cast(HostParts, st) for _, st in picks]
     whole = (join_leaf(held, sharding, tuple(spec.shape))
              if isinstance(sharding, NamedSharding) else None)
-    if whole is not None:  # one program for the leaf (the usual case)
-      arr, sums_out, rows = whole
-      table = np.asarray(sums_out)
-      for (copy, _), (device, _) in zip(picks, wanted, strict=True):
-        if as_checksum(table[rows[device]]) != tuple(copy.record.checksum):
-          raise BadCopy(copy.key(assembler.plan.step), spec.path,
-                        holder=f"slice {copy.store}")
-      assembler.bytes_read += sum(c.record.nbytes for c, _ in picks)
-      return arr
-    # else one by one; every join dispatched before any sum is read
+    if whole is not None:
+      arr, table, rows = whole
+      host = np.asarray(table)
+      return arr, [host[rows[device]] for device, _ in wanted]
     joined = [join(st, device) for st, (device, _) in zip(held, wanted, strict=True)]
-    sums = jax.device_get([s for _, s in joined])
-    shards = []
-    for (copy, _), (got, _), ck in zip(picks, joined, sums, strict=True):
-      if as_checksum(ck) != tuple(copy.record.checksum):
-        raise BadCopy(copy.key(assembler.plan.step), spec.path, holder=f"slice {copy.store}")
-      shards.append(got)
-    assembler.bytes_read += sum(c.record.nbytes for c, _ in picks)
-    return jax.make_array_from_single_device_arrays(spec.shape, sharding, shards)
+    sums = jax.device_get([ck for _, ck in joined])
+    return (jax.make_array_from_single_device_arrays(spec.shape, sharding,
+                                                     [x for x, _ in joined]), sums)
+
+
+def _place_arrays(spec: LeafSpec, sharding: jax.sharding.Sharding,
+                  picks: Sequence[tuple[Copy, jax.Array | HostParts]],
+                  wanted: Sequence[tuple[jax.Device, Index]]
+                  ) -> tuple[jax.Array, list[np.ndarray]] | None:
+  """:meth:`PinnedHostBackend.place_leaf` from whole pinned arrays: one
+  array, one put back to device memory, every shard summed in one program:
+  (the leaf, each pick's sum), None for a sharding it cannot sum."""
+  arrays = [st for _, st in picks if isinstance(st, jax.Array)]
+  if wanted and wanted[0][0].platform == "cpu":  # (_jax_compat.host_array_to_device)
+    arr = jax.make_array_from_single_device_arrays(spec.shape, sharding, [
+        host_array_to_device(st, device) for st, (device, _) in zip(arrays, wanted,
+                                                                    strict=True)])
+  else:
+    pinned = jax.make_array_from_single_device_arrays(
+        spec.shape, sharding.with_memory_kind(PINNED), arrays)
+    arr = jax.device_put(pinned, sharding)
+  sums = shard_checksums(arr)
+  if sums is None:
+    return None
+  out, rows = sums
+  host = np.asarray(out)
+  return arr, [host[rows[device]] for device, _ in wanted]
 
 
 def _data_loss(e: BaseException) -> bool:

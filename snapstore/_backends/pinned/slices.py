@@ -6,7 +6,7 @@ A ``device_put`` of a whole leaf to ``pinned_host`` moves ~1 GB/s on a TPU
 v5e; pieces of ~4 MiB moved into ``unpinned_host`` (the host memory kind a
 device offers beside ``pinned_host``) reach the link's 12-14 GB/s
 (``shared/FIELD-NOTES.md``, "Device to host on a TPU v5e"). So a leaf with
-a mesh sharding goes through one jitted ``shard_map`` program (:func:`cut`)
+a mesh sharding goes through one jitted ``shard_map`` program (:class:`SliceStager`)
 that makes, on every device at once, its shard's bytes as consecutive flat
 parts of at most ``piece_bytes`` and the shard's on-device checksum; then
 one batched ``device_put`` moves every part into its own device's host
@@ -72,7 +72,6 @@ class HostParts:
 
   parts: tuple[jax.Array, ...]
   shape: tuple[int, ...]
-  dtype: np.dtype
   device: jax.Device
 
   @property
@@ -96,37 +95,20 @@ class HostParts:
       except Exception:  # noqa: BLE001 - an array of a lost slice may not answer
         pass
 
-  def block_until_ready(self) -> HostParts:
-    jax.block_until_ready(list(self.parts))
-    return self
-
 
 def stageable(arr: jax.Array) -> bool:
-  """Whether :func:`cut` can stage ``arr``: a mesh sharding of device
-  memory with every dimension split evenly, and bytes to move."""
+  """Whether :meth:`SliceStager.stage` can stage ``arr``: a mesh sharding
+  of device memory that splits every dimension evenly, and bytes to move."""
   s = arr.sharding
   if not isinstance(s, NamedSharding) or not isinstance(s.mesh, Mesh) or arr.size == 0:
     return False
   if s.memory_kind not in (None, "device"):
     return False
-  return all(n % k == 0 for n, k in zip(arr.shape, _splits(s, arr.ndim), strict=True))
-
-
-def _splits(s: NamedSharding, ndim: int) -> tuple[int, ...]:
-  """How many ways each dimension of an array of ``ndim`` is split."""
-  out = []
-  spec = tuple(s.spec) + (None,) * (ndim - len(s.spec))
-  for axes in spec[:ndim]:
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    out.append(int(np.prod([s.mesh.shape[a] for a in names], dtype=np.int64)))
-  return tuple(out)
-
-
-def shard_shape(arr: jax.Array) -> tuple[int, ...]:
-  """The shape of each shard of ``arr`` (:func:`stageable`)."""
-  s = arr.sharding
-  assert isinstance(s, NamedSharding)
-  return tuple(n // k for n, k in zip(arr.shape, _splits(s, arr.ndim), strict=True))
+  try:
+    s.shard_shape(tuple(arr.shape))  # (raises where a dimension does not divide)
+  except ValueError:
+    return False
+  return True
 
 
 @dataclasses.dataclass
@@ -138,7 +120,6 @@ class Staged:
   sums: jax.Array
   rows: dict[jax.Device, int]
   shape: tuple[int, ...]  # of one shard
-  dtype: np.dtype
   parts: list[jax.Array] = dataclasses.field(default_factory=list)
 
   def on(self, device: jax.Device) -> HostParts:
@@ -146,7 +127,7 @@ class Staged:
     if not self.parts:
       raise RuntimeError("staged parts read before their puts were issued")
     return HostParts(tuple(p.addressable_data(positions(p)[device.id]) for p in self.parts),
-                     self.shape, self.dtype, device)
+                     self.shape, device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +171,7 @@ class SliceStager:
     parts are made in groups, each after the ones before it have landed."""
     s = arr.sharding
     assert isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh)
-    shape = shard_shape(arr)
+    shape = tuple(s.shard_shape(tuple(arr.shape)))
     itemsize = np.dtype(arr.dtype).itemsize
     nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
     bounds = part_bounds(nbytes, itemsize, self.piece_bytes, self.chunk_bytes)
@@ -204,7 +185,7 @@ class SliceStager:
       parts = list(_cutter(s.mesh, s.spec, elems[lo:hi + 1], staged is None)(arr))
       if staged is None:  # the first group's program also sums every shard
         staged = Staged(parts.pop(), {d: r for r, d in enumerate(s.mesh.devices.flat)},
-                        shape, np.dtype(arr.dtype))
+                        shape)
       self._puts.append((staged, parts, rows))
       del parts  # (the queue holds them until flush)
       self._held += n
@@ -217,7 +198,7 @@ class SliceStager:
   def ring(self, staged: Staged, mesh: Mesh) -> Staged:
     """A copy of ``staged``'s host parts on ``mesh``'s devices (row for
     row), put once :meth:`flush` has issued ``staged``'s own puts."""
-    copy = Staged(staged.sums, staged.rows, staged.shape, staged.dtype)
+    copy = Staged(staged.sums, staged.rows, staged.shape)
     self._rings.append((staged, copy, rows_sharding(mesh)))
     return copy
 
