@@ -219,8 +219,11 @@ def _equal(a: Any, b: Any) -> bool:
   return True
 
 
-def stores(state: Any, repeats: int) -> dict[str, Any]:
-  """Each store's first save, warm save and warm restore of ``state``."""
+def stores(state: Any, repeats: int, gap_s: float = 0.5) -> dict[str, Any]:
+  """Each store's first save, warm save and warm restore of ``state``; and
+  the return of each of the first ``keep + 1`` saves (each into a slot of
+  its own's first use), ``gap_s`` apart (a train step, when a slot is made
+  ahead), against a warm save's (``first_saves_vs_warm``)."""
   import jax
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   out: dict[str, Any] = {"state_mb": nbytes >> 20}
@@ -230,18 +233,27 @@ def stores(state: Any, repeats: int) -> dict[str, Any]:
       with manager(kind, str(d)) as mgr:
         t = time.perf_counter()
         mgr.save(0, state, force=True)
+        early = [time.perf_counter() - t]
         mgr.wait_until_finished()
         first = time.perf_counter() - t
-        returns, completes = [], []
-        for i in range(repeats):
+        for i in range(1, mgr.options.keep + 1):
+          time.sleep(gap_s)
           t = time.perf_counter()
-          mgr.save(i + 1, state, force=True)
+          mgr.save(i, state, force=True)
+          early.append(time.perf_counter() - t)
+          mgr.wait_until_finished()
+        returns, completes = [], []
+        for i in range(len(early), len(early) + repeats):
+          t = time.perf_counter()
+          mgr.save(i, state, force=True)
           returns.append(time.perf_counter() - t)
           mgr.wait_until_finished()
           completes.append(time.perf_counter() - t)
         r, restore_s = _restores(mgr, state, repeats)
         out[kind] = {
             "first_save_s": round(first, 4),
+            "first_saves_return_s": [round(x, 4) for x in early],
+            "first_saves_vs_warm": round(max(early) / min(returns), 3),
             "save_returns_s": round(min(returns), 4),
             "save_complete_s": round(min(completes), 4),
             "save_complete_gbps": _gbps(nbytes, min(completes)),
@@ -682,6 +694,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "moments)")
   p.add_argument("--piece-mb", type=int, default=0,
                  help="host files' staging_piece_bytes, in MiB (0: the default)")
+  p.add_argument("--first-gap-s", type=float, default=0.5,
+                 help="stores: seconds between the first keep + 1 saves (a train step)")
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--sections", nargs="+",
@@ -736,7 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     done("host")
   if "stores" in a.sections:
     state = make_state(a.state_mb[0])
-    out["stores"] = stores(state, a.repeats)
+    out["stores"] = stores(state, a.repeats, a.first_gap_s)
     out["orbax"] = orbax(state, a.repeats, out["stores"]["pinned_device_sum"]["restore_s"])
     del state
     done("stores")

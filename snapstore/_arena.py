@@ -22,6 +22,7 @@ holds a snapshot, at start or after the first one commits.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import mmap
@@ -29,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -95,18 +96,21 @@ def _libc_madvise() -> Any:
 _MADVISE = _libc_madvise() if _POPULATE_WRITE is not None else None
 
 
-def _populate(m: mmap.mmap, stop: Callable[[], bool] = lambda: False) -> None:
-  """Faults in every page of ``m``, a chunk at a time, the GIL released
-  (a kernel without MADV_POPULATE_WRITE: one write a page), until ``stop()``."""
+def _populate(m: mmap.mmap, stop: Callable[[], bool] = lambda: False, start: int = 0) -> int:
+  """Faults in every page of ``m`` from ``start`` (a multiple of
+  :data:`POPULATE_CHUNK`), a chunk at a time, the GIL released (a kernel
+  without MADV_POPULATE_WRITE: one write a page), until ``stop()``.
+  Returns where it stopped (``len(m)``: done), for a later call to go on."""
   pages = np.frombuffer(m, np.uint8)
   base = pages.ctypes.data  # page aligned: a mapping
-  for at in range(0, pages.size, POPULATE_CHUNK):
+  for at in range(start, pages.size, POPULATE_CHUNK):
     if stop():
-      return
+      return at
     n = min(POPULATE_CHUNK, pages.size - at)
     if _MADVISE is None or _MADVISE(base + at, n, _POPULATE_WRITE) != 0:
       pages[at:at + n:mmap.PAGESIZE] = 0
     time.sleep(0)  # (the fallback holds the GIL: let the others have it)
+  return pages.size
 
 
 #: threads that fault a fresh arena in (page zeroing runs on every core)
@@ -125,12 +129,19 @@ def faulting_seconds() -> float:
   return float(getattr(_faulting, "seconds", 0.0))
 
 
-def _populate_now(m: mmap.mmap, threads: int = POPULATE_THREADS) -> None:
+@contextlib.contextmanager
+def faulting() -> Iterator[None]:
+  """Counts the time inside as the calling thread's :func:`faulting_seconds`."""
   t = time.perf_counter()
   try:
-    _populate_now_timed(m, threads)
+    yield
   finally:
     _faulting.seconds = faulting_seconds() + time.perf_counter() - t
+
+
+def _populate_now(m: mmap.mmap, threads: int = POPULATE_THREADS) -> None:
+  with faulting():
+    _populate_now_timed(m, threads)
 
 
 def _populate_now_timed(m: mmap.mmap, threads: int) -> None:

@@ -133,7 +133,7 @@ class Saver:
       self.metrics.wait_seconds += time.perf_counter() - t
     self.settle()  # the last snapshot's failure: raised, or counted (this step goes on)
     t0 = time.perf_counter()
-    faulting = _arena.faulting_seconds()  # a new slot is made here (host files)
+    faulting = _arena.faulting_seconds()  # (fresh memory a backend makes here)
     try:
       return self._capture_now(step, header, specs, leaves), t0
     finally:
@@ -272,6 +272,7 @@ class Saver:
     m.bytes_snapshotted += nbytes
     m.drain_seconds = time.perf_counter() - t0
     m.drain_seconds_total += m.drain_seconds
+    m.ahead_seconds = self.backend.ahead_seconds()
 
   def prefault_ahead(self) -> None:
     """Faults in, on a background thread, the host memory a restore of the

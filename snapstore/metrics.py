@@ -37,6 +37,7 @@ class SaveMetrics:
   interval: int = 1              # the snapshot interval in force (``"auto"``: chosen)
   interval_reason: str = "fixed"
   first_touch_seconds: float = 0.0  # drains' time faulting fresh memory in (first use)
+  ahead_seconds: float = 0.0     # host files: making the next slots between saves (off both)
   store_failures: int = 0        # saves the RAM tier failed (FailurePolicy.CONTINUE)
   last_store_failure: str = ""   # the last one's error
   watermark: int = -1            # the newest step every store held at the last agreement

@@ -180,9 +180,10 @@ def test_restore_and_save_metrics_split_the_first_touch_of_fresh_memory(
   """What a recovery paid for first use: a restore into fresh memory reports
   the time spent faulting it in (``timings["first_touch"]``, part of the
   total); the next restore, into the memory the first one left, reports
-  none. A manager's first snapshot faults its slot in (counted in
-  ``metrics.first_touch_seconds``); the next, into the other slot, adds to
-  it; later ones, into the same slots, add nothing."""
+  none. A manager's first snapshot faults its slot in, in its drain
+  (counted in ``metrics.first_touch_seconds``); the next slot is made ahead
+  between saves (tests/test_slots.py), so the second drain adds at most what
+  the maker had no time for; later ones, into the same slots, add nothing."""
   state = trainer.init_state()
   with snapstore.SnapshotManager(opts(store_dir, keep=1, prefault_restore=False)) as mgr:
     touched = []
@@ -190,7 +191,7 @@ def test_restore_and_save_metrics_split_the_first_touch_of_fresh_memory(
       mgr.save(step, state)
       mgr.wait_until_finished()
       touched.append(mgr.metrics.first_touch_seconds)
-    assert 0 < touched[0] < touched[1] == touched[2] == touched[3], touched
+    assert 0 < touched[0] <= touched[1] == touched[2] == touched[3], touched
     first = mgr.restore(trainer.abstract_state())
     assert 0 < first.timings["first_touch"] <= first.timings["total"], first.timings
     assert_bitwise_equal(host_copy(state), first.state)

@@ -201,6 +201,10 @@ class Backend(PieceSource, Protocol[PendingT]):
   def watermark_moved(self, watermark: int | None) -> None:
     """The job agreed ``watermark``, a step every store holds (training thread)."""
 
+  def ahead_seconds(self) -> float:
+    """Seconds spent so far making memory for coming saves on threads of the
+    backend's own (host files: the next slot, :mod:`.hostfiles.slots`)."""
+
   def close(self) -> None: ...
 
 
@@ -295,6 +299,9 @@ class DomainStores:
 
   def watermark_moved(self, watermark: int | None) -> None:
     pass
+
+  def ahead_seconds(self) -> float:
+    return 0.0
 
   def close(self) -> None:
     for store in self.stores.values():

@@ -208,8 +208,14 @@ class HostFilesBackend(DomainStores):
     return _Pending(header, jobs)
 
   def drain(self, pending: _Pending) -> int:
-    return _copy.drain_and_commit(pending.jobs, pending.header, pool=self._pool,
-                                  options=self.options)
+    nbytes = _copy.drain_and_commit(pending.jobs, pending.header, pool=self._pool,
+                                    options=self.options)
+    for store, _, _ in pending.jobs:  # the next new slot, made before a save needs it
+      store.make_ahead()
+    return nbytes
+
+  def ahead_seconds(self) -> float:
+    return sum(store.ahead_seconds for store in self.stores.values())
 
   # --------------------------------------------------------------- restore
   def _slot(self, plan: StepPlan, copy: Copy) -> np.ndarray:

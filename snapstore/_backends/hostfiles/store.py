@@ -10,7 +10,8 @@ The files outlive the trainer process (a tmpfs has no resource tracker that
 deletes them when the writer dies). A slot is reused only after its manifest
 is deleted, so a torn write can never be read as a snapshot. Slots are
 touched once when created: first-touch page faults would otherwise slow
-every copy into a fresh slot several times over.
+every copy into a fresh slot several times over; the drain makes a new
+slot, or takes the one made ahead between saves (:mod:`.slots`).
 
 Safety: the run and host directories must be ours (owner, no symlink, not
 writable by others) or the store is refused before anything is touched;
@@ -42,6 +43,7 @@ from ... import _arena, _faults, _planner, errors
 from ..._index import align
 from ..._manifest import MAX_MANIFEST_BYTES, Manifest, decode, encode, kept_copy, write_atomic
 from ..base import NO_PROGRESS
+from .slots import SlotMaker
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,8 @@ class HostStore:
     self._slot_size = 0  # the size of the last slot reserved
     self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
     self._inodes: dict[int, int] = {}  # slot -> inode of the file we mapped
+    self._planned: tuple[int, int] | None = None  # (slot, size) reserved, made by the drain
+    self._ahead = SlotMaker(self.root)  # the next slot, made between saves (.slots)
     # path -> ((mtime_ns, size, ino), manifest or why not): decode each file
     # version once; only the files there now are kept.
     self._decoded: dict[Path, tuple[tuple[int, int, int], Manifest | str]] = {}
@@ -217,10 +221,12 @@ class HostStore:
       if i != slot:
         self._unmap(i)
         os.unlink(self._slot_path(i))
+    self._planned = None
     if slot is None:  # the lowest number with no file (of any type) of that name
       slot = next(i for i in itertools.count()
                   if i not in used and not os.path.lexists(self._slot_path(i)))
-      self._create_slot(slot, size)
+      self._check_room(size)
+      self._planned = (slot, size)  # made off this thread: slot_buffer, in the drain
     self._slot_size = size  # (only once it has one: a refused size is not remembered)
     return slot
 
@@ -230,12 +236,43 @@ class HostStore:
       return True
     return sum(sizes.get(m.slot, 0) for m in kept) + size <= self.budget_bytes
 
-  def _create_slot(self, i: int, size: int) -> None:
-    free = shutil.disk_usage(self.root).free
+  def _check_room(self, size: int) -> None:
+    """Raises BudgetExceededError unless the filesystem has room for a slot
+    of ``size`` (a slot of that size made ahead counts as room)."""
+    free = shutil.disk_usage(self.root).free + (self._ahead.size if self._ahead.size == size
+                                                else 0)
     if size > free:
       raise errors.BudgetExceededError(
           f"a slot of {size} bytes does not fit in the {free} free bytes of "
           f"{self.root}: lower keep, set budget_bytes, or free the RAM disk.")
+
+  def _make_planned(self, i: int, size: int) -> None:
+    """Makes the slot :meth:`reserve` planned: the one made ahead, if it has
+    that size, else a new one."""
+    self._planned = None
+    mm = self._ahead.take(size, self._slot_path(i))
+    if mm is None:
+      self._create_slot(i, size)
+      return
+    self._maps[i] = (mm, np.frombuffer(mm, dtype=np.uint8))
+    self._inodes[i] = os.lstat(self._slot_path(i)).st_ino
+
+  def make_ahead(self) -> None:
+    """Starts making the slot a coming save will take, on a thread of its
+    own (:mod:`.slots`), while every slot file here has the size of the last
+    reserved and there are fewer than the store uses. Never raises."""
+    size = self._slot_size
+    if not size or self._ahead.size == size:
+      return
+    try:
+      sizes = list(self._slot_sizes().values())
+    except OSError:
+      return
+    if len(sizes) < self.num_slots and all(n == size for n in sizes):
+      self._ahead.start(size)
+
+  def _create_slot(self, i: int, size: int) -> None:
+    self._check_room(size)
     path = self._slot_path(i)
     fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -260,7 +297,10 @@ class HostStore:
     return sum(self._slot_sizes().values())
 
   def slot_buffer(self, slot: int) -> np.ndarray:
-    """The writable bytes of ``slot`` (reserved by :meth:`reserve`)."""
+    """The writable bytes of ``slot`` (reserved by :meth:`reserve`; a new
+    slot is made here: the drain's thread)."""
+    if self._planned is not None and self._planned[0] == slot:
+      self._make_planned(*self._planned)
     if slot not in self._maps:
       path = self._slot_path(slot)
       fd = open_regular(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -315,11 +355,19 @@ class HostStore:
     self._maps.pop(slot, None)  # the mmap closes when the last numpy view is gone.
 
   def close(self) -> None:
+    self._ahead.discard()
     self._maps.clear()
+
+  @property
+  def ahead_seconds(self) -> float:
+    """Seconds spent making slots ahead, off the save's and the drain's threads."""
+    return self._ahead.seconds
 
   def wipe(self) -> None:
     """Deletes every manifest, slot and the PROGRESS file (the memory of a
     lost host); the store stays usable and starts empty."""
+    self._ahead.discard()
+    self._planned = None
     self._maps.clear()
     for entry in os.scandir(self.root):
       if entry.is_file(follow_symlinks=False) or entry.is_symlink():
