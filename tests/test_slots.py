@@ -52,14 +52,17 @@ def test_a_take_stops_the_maker_and_finishes_what_it_left(tmp_path, monkeypatch)
   maker = SlotMaker(tmp_path)
   calls: list[str] = []
   real = os.posix_fallocate
+  entered = threading.Event()
 
   def fallocate(fd: int, at: int, n: int) -> None:
     calls.append(threading.current_thread().name)
     if len(calls) == 1:
+      entered.set()
       maker._stop.wait()  # the first chunk finishes after take() asked it to stop
     real(fd, at, n)
   monkeypatch.setattr(slots.os, "posix_fallocate", fallocate)
   maker.start(8 << 20)
+  entered.wait(60)
   before = _arena.faulting_seconds()
   mm = maker.take(8 << 20, tmp_path / "slot-0.bin")
   assert mm is not None
