@@ -114,9 +114,11 @@ class SnapshotManager:
       UnsupportedExtraError: ``extra`` is not msgpack-able, or it and the
         state's strings are too big for a manifest (32 MiB).
       DeletedLeafError: an array whose buffer was donated or deleted.
-      BudgetExceededError: the store cannot hold a snapshot in its budget;
-        ``StoreError``: it cannot be written. On a run's first snapshot (a
-        misconfiguration), or any under ``FailurePolicy.RAISE``.
+      BudgetExceededError: the store cannot hold a snapshot in its budget
+        (or its filesystem has no room for a new slot); ``StoreError``: it
+        cannot be written. On a run's first snapshot (a misconfiguration),
+        or any under ``FailurePolicy.RAISE``. (A new slot is made by the
+        drain: a filesystem that refuses it after all fails that drain.)
       DrainFailedError: the previous snapshot failed in the background
         (``FailurePolicy.RAISE``; CONTINUE counts it and goes on).
       ClosedError: the manager is closed.

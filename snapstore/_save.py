@@ -272,7 +272,7 @@ class Saver:
     m.bytes_snapshotted += nbytes
     m.drain_seconds = time.perf_counter() - t0
     m.drain_seconds_total += m.drain_seconds
-    m.ahead_seconds = self.backend.ahead_seconds()
+    m.ahead_seconds = getattr(self.backend, "ahead_seconds", lambda: 0.0)()  # (optional)
 
   def prefault_ahead(self) -> None:
     """Faults in, on a background thread, the host memory a restore of the

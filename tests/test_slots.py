@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import threading
 
 import numpy as np
+import pytest
 
 import snapstore
 from snapstore import _arena
 from snapstore._backends.hostfiles import slots
-from snapstore._backends.hostfiles.slots import AHEAD_NAME, SlotMaker
+from snapstore._backends.hostfiles.slots import SlotMaker, ahead_name
 from snapstore._backends.hostfiles.store import HostStore, host_dir
 from tests.helpers import assert_bitwise_equal, host_copy, only_store, opts
+
+AHEAD_NAME = ahead_name(os.getpid())
 
 
 def _allocated(path: os.PathLike[str]) -> bool:
@@ -58,7 +62,7 @@ def test_a_take_stops_the_maker_and_finishes_what_it_left(tmp_path, monkeypatch)
     calls.append(threading.current_thread().name)
     if len(calls) == 1:
       entered.set()
-      maker._stop.wait()  # the first chunk finishes after take() asked it to stop
+      assert maker._stop.wait(60)  # the first chunk finishes after take() asked it to stop
     real(fd, at, n)
   monkeypatch.setattr(slots.os, "posix_fallocate", fallocate)
   maker.start(8 << 20)
@@ -67,22 +71,123 @@ def test_a_take_stops_the_maker_and_finishes_what_it_left(tmp_path, monkeypatch)
   mm = maker.take(8 << 20, tmp_path / "slot-0.bin")
   assert mm is not None
   assert calls[0] == "snapstore-slot-ahead"
-  assert calls[1:] == [threading.current_thread().name] * 7  # the rest, here
+  assert calls[1:] == [threading.current_thread().name]  # the rest, here, in one call
   assert _arena.faulting_seconds() > before
   assert _allocated(tmp_path / "slot-0.bin")
   np.frombuffer(mm, np.uint8)[:] = 7  # every page mapped writable
   mm.close()
 
 
+def test_a_take_faults_in_what_the_maker_left_from_where_it_stopped(tmp_path, monkeypatch):
+  """Pages the maker faulted in are not walked again: the take goes on from
+  the maker's offset (on every core)."""
+  monkeypatch.setattr(_arena, "POPULATE_CHUNK", 1 << 20)
+  real, resumed = _arena._populate, []
+
+  def three_chunks(m, stop, start):  # the maker stops after three chunks
+    seen: list[int] = []
+    return real(m, lambda: len(seen) > 2 or bool(seen.append(1)) or stop(), start)
+  monkeypatch.setattr(_arena, "_populate", three_chunks)
+  monkeypatch.setattr(_arena, "_populate_now_timed",
+                      lambda m, threads, start=0: resumed.append(start))
+  maker = SlotMaker(tmp_path)
+  maker.start(8 << 20)
+  maker.wait()
+  assert maker.take(8 << 20, tmp_path / "slot-0.bin") is not None
+  assert resumed == [3 << 20]
+
+
 def test_a_maker_that_fails_leaves_nothing_and_the_taker_makes_its_own(tmp_path, monkeypatch):
   def full(fd: int, at: int, n: int) -> None:
     raise OSError(errno.ENOSPC, "no space")
   monkeypatch.setattr(slots.os, "posix_fallocate", full)
+  fds = len(os.listdir("/proc/self/fd"))
   maker = SlotMaker(tmp_path)
   maker.start(1 << 20)
   maker.wait()
+  assert maker.refused == 1 << 20
   assert maker.take(1 << 20, tmp_path / "slot-0.bin") is None
-  assert os.listdir(tmp_path) == []
+  assert os.listdir(tmp_path) == [] and len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_take_never_replaces_a_file_already_there(tmp_path):
+  (tmp_path / "slot-0.bin").write_bytes(b"another writer's")
+  maker = SlotMaker(tmp_path)
+  maker.start(1 << 20)
+  assert maker.take(1 << 20, tmp_path / "slot-0.bin") is None
+  assert (tmp_path / "slot-0.bin").read_bytes() == b"another writer's"
+  assert os.listdir(tmp_path) == ["slot-0.bin"]
+
+
+def _store(store_dir, keep=2, host=0) -> HostStore:
+  return HostStore(host_dir(store_dir, "r", host), run_id="r", host=host, keep=keep,
+                   budget_bytes=None)
+
+
+def _free(monkeypatch, free: int) -> None:
+  from snapstore._backends.hostfiles import store as store_mod
+  monkeypatch.setattr(store_mod.shutil, "disk_usage",
+                      lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, free))
+
+
+def test_a_slot_made_ahead_for_another_size_is_let_go_at_the_reserve(store_dir, monkeypatch):
+  """The state grew: the slot made for the old size is deleted before the
+  room for the new one is checked (it would stand in its way)."""
+  store = _store(store_dir)
+  store.slot_buffer(store.reserve(1, 1 << 20))
+  store.make_ahead()
+  store._ahead.wait()
+  assert (store.root / AHEAD_NAME).exists()
+  store.reserve(2, 4 << 20)
+  assert not (store.root / AHEAD_NAME).exists()
+
+
+def test_what_is_allocated_ahead_counts_as_room_and_no_slot_is_made_without_room(
+    store_dir, monkeypatch):
+  store = _store(store_dir, keep=1)
+  store.slot_buffer(store.reserve(1, 1 << 20))
+  _free(monkeypatch, 0)
+  store.make_ahead()  # no room: not even tried
+  assert store._ahead.size == 0 and not (store.root / AHEAD_NAME).exists()
+  monkeypatch.undo()
+  store.make_ahead()
+  store._ahead.wait()
+  _free(monkeypatch, 0)
+  commit_step(store, 1)
+  slot = store.reserve(2, 1 << 20)  # the disk is full, but the slot is made already
+  assert store.slot_buffer(slot).nbytes == 1 << 20
+
+
+def commit_step(store: HostStore, step: int) -> None:
+  """A manifest for ``step`` in slot 0 (so that the next reserve needs a new slot)."""
+  from snapstore._manifest import Manifest
+  store.commit(Manifest(run_id="r", incarnation=0, step=step, num_hosts=1, store=0, slot=0,
+                        tree_digest="", chunk_bytes=1 << 20, leaves=(), pieces=[],
+                        scalars={}))
+
+
+def test_stores_of_several_domains_need_room_for_all_their_new_slots(store_dir, monkeypatch):
+  a, b = _store(store_dir, host=0), _store(store_dir, host=1)
+  _free(monkeypatch, 3 << 20)
+  a.reserve(1, 2 << 20)
+  b.reserve(1, 2 << 20)  # each fits alone
+  with pytest.raises(snapstore.BudgetExceededError, match="2 stores need 4194304 bytes"):
+    HostStore.check_room_for([a, b])
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called")
+def test_a_forked_child_leaves_the_parents_slot_alone(tmp_path):
+  maker = SlotMaker(tmp_path)
+  maker.start(1 << 20)
+  maker.wait()
+  pid = os.fork()
+  if pid == 0:  # the child: a with-block unwinding would discard
+    maker.discard()
+    os._exit(0 if maker.size == 0 else 1)
+  _, status = os.waitpid(pid, 0)
+  assert os.waitstatus_to_exitcode(status) == 0
+  assert maker.take(1 << 20, tmp_path / "slot-0.bin") is not None
 
 
 def test_a_save_reserves_the_number_and_the_drain_makes_the_file(store_dir):

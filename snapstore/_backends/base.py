@@ -203,7 +203,8 @@ class Backend(PieceSource, Protocol[PendingT]):
 
   def ahead_seconds(self) -> float:
     """Seconds spent so far making memory for coming saves on threads of the
-    backend's own (host files: the next slot, :mod:`.hostfiles.slots`)."""
+    backend's own (host files: the next slot, :mod:`.hostfiles.slots`).
+    Optional: a backend without it reports 0."""
 
   def close(self) -> None: ...
 

@@ -205,11 +205,18 @@ class HostFilesBackend(DomainStores):
     for sid, cap in caps.items():
       store = self.stores[sid]
       jobs.append((store, cap, store.reserve(header.step, cap.nbytes, header.kept_step)))
+    if len(jobs) > 1:  # their new slots are made in the drain: room for all of them
+      HostStore.check_room_for([store for store, _, _ in jobs])
     return _Pending(header, jobs)
 
   def drain(self, pending: _Pending) -> int:
-    nbytes = _copy.drain_and_commit(pending.jobs, pending.header, pool=self._pool,
-                                    options=self.options)
+    try:
+      nbytes = _copy.drain_and_commit(pending.jobs, pending.header, pool=self._pool,
+                                      options=self.options)
+    except BaseException:
+      for _, cap, _ in pending.jobs:  # (the failure keeps pending: not its sources)
+        cap.release()
+      raise
     for store, _, _ in pending.jobs:  # the next new slot, made before a save needs it
       store.make_ahead()
     return nbytes

@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -225,7 +226,9 @@ class HostStore:
     if slot is None:  # the lowest number with no file (of any type) of that name
       slot = next(i for i in itertools.count()
                   if i not in used and not os.path.lexists(self._slot_path(i)))
-      self._check_room(size)
+      if self._ahead.size not in (0, size):  # made for a size no longer wanted
+        self._ahead.discard()
+      self._check_room(size, with_ahead=True)
       self._planned = (slot, size)  # made off this thread: slot_buffer, in the drain
     self._slot_size = size  # (only once it has one: a refused size is not remembered)
     return slot
@@ -236,15 +239,37 @@ class HostStore:
       return True
     return sum(sizes.get(m.slot, 0) for m in kept) + size <= self.budget_bytes
 
-  def _check_room(self, size: int) -> None:
+  def _check_room(self, size: int, *, with_ahead: bool = False) -> None:
     """Raises BudgetExceededError unless the filesystem has room for a slot
-    of ``size`` (a slot of that size made ahead counts as room)."""
-    free = shutil.disk_usage(self.root).free + (self._ahead.size if self._ahead.size == size
-                                                else 0)
+    of ``size`` (``with_ahead``: what is allocated of a slot of that size
+    made ahead counts as room: it becomes this one)."""
+    free = shutil.disk_usage(self.root).free
+    if with_ahead and self._ahead.size == size:
+      free += self._ahead.allocated
     if size > free:
       raise errors.BudgetExceededError(
           f"a slot of {size} bytes does not fit in the {free} free bytes of "
           f"{self.root}: lower keep, set budget_bytes, or free the RAM disk.")
+
+  def _room_planned(self) -> int:
+    """Bytes the slot :meth:`reserve` planned still needs (0: none planned)."""
+    if self._planned is None:
+      return 0
+    size = self._planned[1]
+    return size - (self._ahead.allocated if self._ahead.size == size else 0)
+
+  @staticmethod
+  def check_room_for(stores: Sequence[HostStore]) -> None:
+    """Raises BudgetExceededError unless the filesystem ``stores`` share has
+    room for every slot they planned, at once (each checked its own)."""
+    need = sum(store._room_planned() for store in stores)
+    if need and stores:
+      free = shutil.disk_usage(stores[0].root).free
+      if need > free:
+        raise errors.BudgetExceededError(
+            f"the new slots of {len(stores)} stores need {need} bytes, more than the "
+            f"{free} free bytes of {stores[0].root.parent}: lower keep, set budget_bytes, "
+            "or free the RAM disk.")
 
   def _make_planned(self, i: int, size: int) -> None:
     """Makes the slot :meth:`reserve` planned: the one made ahead, if it has
@@ -260,16 +285,18 @@ class HostStore:
   def make_ahead(self) -> None:
     """Starts making the slot a coming save will take, on a thread of its
     own (:mod:`.slots`), while every slot file here has the size of the last
-    reserved and there are fewer than the store uses. Never raises."""
+    reserved, there are fewer than the store uses, and the filesystem has
+    room for it (a size it refused once is not tried again). Never raises."""
     size = self._slot_size
-    if not size or self._ahead.size == size:
+    if not size or size in (self._ahead.size, self._ahead.refused):
       return
     try:
       sizes = list(self._slot_sizes().values())
-    except OSError:
-      return
-    if len(sizes) < self.num_slots and all(n == size for n in sizes):
-      self._ahead.start(size)
+      if (len(sizes) < self.num_slots and all(n == size for n in sizes)
+          and shutil.disk_usage(self.root).free >= size):
+        self._ahead.start(size)
+    except (OSError, RuntimeError) as e:  # (RuntimeError: no thread to be had)
+      logger.info("%s: no slot made ahead (%s)", self.root, e)
 
   def _create_slot(self, i: int, size: int) -> None:
     self._check_room(size)
@@ -356,6 +383,7 @@ class HostStore:
 
   def close(self) -> None:
     self._ahead.discard()
+    self._planned = None
     self._maps.clear()
 
   @property
