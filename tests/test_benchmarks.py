@@ -12,6 +12,7 @@ from benchmarks import (
   cold,
   demo_overhead,
   device_check,
+  first_saves,
   goodput,
   multihost,
   overhead,
@@ -36,6 +37,17 @@ def _run(module, argv, out):
 def _positive(*values):
   for v in values:
     assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, v
+
+
+def test_first_saves_benchmark_smoke(tmp_path):
+  """Each save timed; the first slot's first use is counted (its drain), the
+  next ones made ahead with a gap between saves."""
+  result = _run(first_saves, ["--mb", "8", "--gaps", "0.2", "--warm", "2"],
+                tmp_path / "first_saves.json")
+  (row,) = result["runs"]
+  assert len(row["save_s"]) == len(row["drain_s"]) == first_saves.KEEP + 1 + 2
+  _positive(row["first_over_warm"], row["first_with_drain_over_warm"],
+            row["first_touch_seconds"], row["ahead_seconds"])
 
 
 def test_capture_benchmark_smoke(tmp_path, capsys):
