@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import _faults
-from .._backends import host_dir, read_progress
+from .._backends import read_progress
 from .._jax_compat import without_cpu_cache
 from .._reports import IN_PLACE_ENV, RESTART_EXIT_CODE
 from ..errors import JobStalledError
+from .job import Job, check_args, placements, reserve_port
 from .kills import (
     Incarnation,
     Kill,
@@ -63,16 +62,6 @@ POLL_S = 0.02  # how often the supervisor reads PROGRESS and process states
 FENCE_POLL_S = 0.25  # how often it reads the survivors' reports of missing hosts
 PROGRESS_POLL_S = 0.25  # how often the stall watch reads every host's progress
 STACKS_WAIT_S = 1.5  # how long stalled processes get to write their stacks
-
-
-def _reserve_port(host: str) -> socket.socket:
-  """A bound (not listening) socket on a free port of ``host``, held while
-  the job starts so no other program takes the port; ``SO_REUSEPORT`` lets
-  the coordination service (gRPC sets it too) bind the same port."""
-  s = socket.socket()
-  s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-  s.bind((host, 0))
-  return s
 
 
 def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host: int,
@@ -142,40 +131,22 @@ def launch(module: str, args: Sequence[str], *, num_hosts: int, devices_per_host
     TimeoutError: the job ran past ``timeout_s``.
     JobStalledError: a ``TimeoutError``: the job stalled (``stall``).
   """
-  _check_args(num_hosts, in_place, min_hosts, replacement_delay_s=replacement_delay_s,
+  check_args(num_hosts, in_place, min_hosts, replacement_delay_s=replacement_delay_s,
               teardown_delay_s=teardown_delay_s)
-  placements = _placements(machines, num_hosts, in_place)
+  placed = placements(machines, num_hosts, in_place)
   # (each process logs, by default beside the reports: a stall's stacks land there)
   report_dir = Path(log_dir) if log_dir else Path(store_dir) / run_id / "reports"
   report_dir.mkdir(parents=True, exist_ok=True)
-  job = _Job(module, list(args), devices_per_host, store_dir, run_id, list(kills),
-             [k for k in kills if k.incarnation is None],  # fired in any incarnation
-             time.monotonic() + timeout_s, timeout_s, report_dir, report_dir, env or {},
-             bind_address, in_place, host_service, max_replacements, min_hosts,
-             replacement_delay_s, teardown_delay_s, StallWatch(stall or StallPolicy()),
-             placements)
+  job = Job(module, list(args), devices_per_host, store_dir, run_id, list(kills),
+            [k for k in kills if k.incarnation is None],  # fired in any incarnation
+            time.monotonic() + timeout_s, timeout_s, report_dir, report_dir, env or {},
+            bind_address, in_place, host_service, max_replacements, min_hosts,
+            replacement_delay_s, teardown_delay_s, StallWatch(stall or StallPolicy()),
+            placed)
   return _incarnations(job, num_hosts, max_incarnations, between, shrink_to)
 
 
-def _placements(machines: Sequence[Sequence[int]] | None, num_hosts: int,
-                in_place: bool) -> list[list[int]] | None:
-  """``launch``'s ``machines``, checked: each a list of distinct machines,
-  one a host."""
-  if machines is None:
-    return None
-  if in_place:
-    raise ValueError("machines is for full restarts (a replacement in place keeps its host)")
-  out = [[int(m) for m in row] for row in machines]
-  for row in out:
-    if len(row) < num_hosts or len(set(row)) != len(row) or min(row) < 0:
-      raise ValueError(f"each entry of machines must name {num_hosts} distinct machines "
-                       f"(>= 0), one a host; got {row}")
-  if not out:
-    raise ValueError("machines must have at least one entry")
-  return out
-
-
-def _incarnations(job: _Job, hosts: int, max_incarnations: int,
+def _incarnations(job: Job, hosts: int, max_incarnations: int,
                   between: Callable[[Incarnation], None] | None,
                   shrink_to: int | None) -> list[Incarnation]:
   """Runs the job until an incarnation succeeds; restarts it after each
@@ -197,62 +168,6 @@ def _incarnations(job: _Job, hosts: int, max_incarnations: int,
                      f"logs: {job.log_dir}")
 
 
-def _check_args(num_hosts: int, in_place: bool, min_hosts: int | None,
-                **delays: float) -> None:
-  if min_hosts is not None and not in_place:
-    raise ValueError("min_hosts is for in-place jobs (in_place=True)")
-  if min_hosts is not None and not 1 <= min_hosts <= num_hosts:
-    raise ValueError(f"min_hosts must be between 1 and num_hosts ({num_hosts}), "
-                     f"got {min_hosts}")
-  for name, value in delays.items():
-    if not 0.0 <= value < float("inf"):
-      raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-@dataclasses.dataclass
-class _Job:
-  """What :func:`launch` was asked to run, for each incarnation."""
-
-  module: str
-  args: list[str]
-  devices_per_host: int
-  store_dir: str | os.PathLike[str]
-  run_id: str
-  kills: list[Kill]
-  carried: list[Kill]  # kills for any incarnation, not fired yet
-  deadline: float  # time.monotonic()
-  timeout_s: float
-  report_dir: Path
-  log_dir: Path
-  env: dict[str, str]
-  bind_address: str
-  in_place: bool
-  host_service: bool
-  max_replacements: int
-  min_hosts: int | None
-  replacement_delay_s: float
-  teardown_delay_s: float
-  watch: StallWatch  # the job's progress and step time, across incarnations
-  machines: list[list[int]] | None = None  # per incarnation: host -> its machine
-
-  def machine_dir(self, number: int, host: int) -> Path:
-    """Where host ``host`` of incarnation ``number`` keeps its store: its
-    machine's directory (``machines``), else the job's one store directory."""
-    if self.machines is None:
-      return Path(self.store_dir)
-    placement = self.machines[min(number, len(self.machines) - 1)]
-    return Path(self.store_dir) / f"machine-{placement[host]}"
-
-  def store_of(self, number: int, host: int) -> Path:
-    """Host ``host``'s own store in incarnation ``number``."""
-    return host_dir(self.machine_dir(number, host), self.run_id, host)
-
-  def lost_with(self, number: int, host: int) -> Path | None:
-    """What a kill with ``lose_store`` wipes beside the host's store: its
-    whole machine, where hosts have machines (None: its store only)."""
-    return self.machine_dir(number, host) if self.machines is not None else None
-
-
 class Supervisor:
   """One incarnation of a :func:`launch` job: it starts the processes, then
   polls until every process has exited (or one failed): it fires the kills
@@ -260,7 +175,7 @@ class Supervisor:
   hosts reported missing, and reaps exits; then it collects the workers'
   reports into the :class:`Incarnation`."""
 
-  def __init__(self, job: _Job, number: int, hosts: int) -> None:
+  def __init__(self, job: Job, number: int, hosts: int) -> None:
     self.job, self.hosts = job, hosts
     self.inc = Incarnation(number, hosts, time.time())
     self.pending = ([k for k in job.kills if k.incarnation == number and k.host < hosts]
@@ -281,7 +196,7 @@ class Supervisor:
   def run(self) -> tuple[Incarnation, bool]:
     """Runs the incarnation; returns it and whether it failed."""
     job, inc = self.job, self.inc
-    reservation = _reserve_port(job.bind_address)
+    reservation = reserve_port(job.bind_address)
     self.port = reservation.getsockname()[1]
     for stale in (self._report("restore"), self._report("digests"), self._report("resize"),
                   *job.report_dir.glob(f"restart-inc{inc.number}-host*.json")):
