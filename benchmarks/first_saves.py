@@ -1,6 +1,6 @@
 """A job's first saves into host files, against a warm one.
 
-``python -m benchmarks.first_saves --mb 1024 --gaps 0.5 0``: in one process, on
+``python -m benchmarks.first_saves --mb 1024 --gaps 4 0``: in one process, on
 8 CPU devices, a host-files manager (``keep=2``: three slots) saves a state
 of ``--mb`` MiB ``keep + 1 + --warm`` times, ``gap`` seconds apart (a train
 step), each save waited for before the gap. The first ``keep + 1`` saves each
@@ -28,8 +28,11 @@ KEEP = 2
 
 
 def run(mb: int, gap_s: float, warm: int) -> dict[str, Any]:
+  import jax
+
   import snapstore
   state, _ = make_state(mb << 20)
+  jax.block_until_ready(state)  # (else the first save waits for it)
   d = ram_dir("snapstore-first-")
   try:
     opts = snapstore.SnapshotOptions(store=snapstore.HostFiles(dir=str(d)), keep=KEEP,
@@ -64,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="benchmarks.first_saves", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--mb", type=int, default=1024)
-  p.add_argument("--gaps", type=float, nargs="+", default=[0.5, 0.0],
+  p.add_argument("--gaps", type=float, nargs="+", default=[4.0, 0.0],
                  help="seconds between saves (a train step); each a run of its own")
   p.add_argument("--warm", type=int, default=5, help="saves after the first keep + 1")
   p.add_argument("--out", default="bench-results/first_saves.json")

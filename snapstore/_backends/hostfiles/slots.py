@@ -1,7 +1,7 @@
 """A host store's next slot file, made ahead of the save that needs it.
 
-A slot's first use costs its pages' allocation and zeroing: about 0.1 s a GiB
-on a 2-core VM, 2.2 s a GiB on a TPU v5e host's RAM disk (gVisor), paid once
+A slot's first use costs its pages' allocation and zeroing: 1-3 s a GiB on
+this project's 2-core VM, 2.2 s a GiB on a TPU v5e host's RAM disk, paid once
 by each of a job's first ``keep + 1`` snapshots, on the training thread
 until this module. Now a save only reserves a slot's number; the drain makes
 the file (:meth:`.store.HostStore.slot_buffer`), and after each drain that
