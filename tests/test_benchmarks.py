@@ -79,8 +79,11 @@ def test_device_check_runs_every_section_on_cpu_devices_bitwise(tmp_path):
                                "--per-step-stores", *device_check.PER_STEP,
                                "--rss-snapshots", "3"],
                 tmp_path / "device_check.json")
-  for kind in device_check.STORES:
-    assert result["stores"][kind]["bitwise_equal"] and result["stores"][kind]["restored_step"] == 1
+  for kind in device_check.STORES:  # steps 0 and 1 each a slot's first use (keep=1), 2 warm
+    row = result["stores"][kind]
+    assert row["bitwise_equal"] and row["restored_step"] == 2
+    assert len(row["first_saves_return_s"]) == 2
+    _positive(*row["first_saves_return_s"], row["first_saves_vs_warm"])
   assert result["orbax"]["bitwise_equal"]
   _positive(result["capture"]["device_get_gbps"], result["capture"]["device_to_pinned_host_gbps"],
             result["overhead"]["pinned_device_sum"]["every_1"]["step_ms"])
