@@ -228,6 +228,9 @@ class HostStore:
                   if i not in used and not os.path.lexists(self._slot_path(i)))
       if self._ahead.size not in (0, size):  # made for a size no longer wanted
         self._ahead.discard()
+      if not os.access(self.root, os.W_OK):  # (the drain makes the file: found here)
+        raise OSError(errno.EROFS if os.statvfs(self.root).f_flag & os.ST_RDONLY
+                      else errno.EACCES, "no new file can be made here")
       self._check_room(size, with_ahead=True)
       self._planned = (slot, size)  # made off this thread: slot_buffer, in the drain
     self._slot_size = size  # (only once it has one: a refused size is not remembered)
