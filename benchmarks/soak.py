@@ -217,6 +217,7 @@ def run_in_place(kills: int, hosts: int, seed: int, kinds: Sequence[str],
       "full_restarts": len(incs) - 1,
       "replacements": sum(len(i.replaced) for i in incs),
       "fenced": sum(len(i.fenced) for i in incs),
+      "fenced_hosts": sorted(f["host"] for i in incs for f in i.fenced),
       "fallbacks": [i.fallback for i in incs if i.fallback],
       "step_s_reference": round(statistics.median(step_intervals(ref)), 4),
       "lost_s": {k: _spread([r["lost_s"] for r in timed

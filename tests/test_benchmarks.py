@@ -313,7 +313,11 @@ def test_in_place_soak_recovers_a_hang_and_a_wipe_each_hit_again_in_recovery(tmp
   rows = result["per_fault"]
   assert [(r["kind"], r["second_fault"]) for r in rows] == [("stop", True), ("wipe", True)]
   assert all(r["bitwise"] for r in rows) and result["final_state_equal"], rows
-  assert result["fenced"] == 1, result
+  # the frozen host was fenced; a host fenced besides is one a fault hit (a replacement
+  # killed in its restore can be reported missing while its successor starts), never
+  # a healthy survivor
+  stopped = {r["host"] for r in rows if r["kind"] == "stop"}
+  assert stopped <= set(result["fenced_hosts"]) <= {r["host"] for r in rows}, result
   assert result["replacements"] >= 2 and result["in_place"] >= 1, result
   assert result["full_restarts"] >= 1, result  # (four heals: past gloo's cap on CPU)
   assert all(math.isfinite(r["lost_s"]) for r in rows), rows
