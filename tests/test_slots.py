@@ -130,7 +130,7 @@ def _free(monkeypatch, free: int) -> None:
                       lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, free))
 
 
-def test_a_slot_made_ahead_for_another_size_is_let_go_at_the_reserve(store_dir, monkeypatch):
+def test_a_slot_made_ahead_for_another_size_is_let_go_at_the_reserve(store_dir):
   """The state grew: the slot made for the old size is deleted before the
   room for the new one is checked (it would stand in its way)."""
   store = _store(store_dir)
