@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   ap.add_argument("--redundancy", nargs="*", default=["replicas", "parity"])
   ap.add_argument("--before", type=int, default=0,
                   help="also time the full exchange up to this many hosts")
-  ap.add_argument("--out", type=Path)
+  ap.add_argument("--out", type=Path, default=Path("bench-results/scale.json"))
   ap.add_argument("--plot", type=Path)
   args = ap.parse_args(argv)
   rows = []
@@ -240,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   text = json.dumps(result, indent=1)
   print(text)
   if args.out:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
   if args.plot:
     _plot(result, args.plot)

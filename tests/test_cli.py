@@ -58,6 +58,19 @@ def test_bench_console_script_runs_a_benchmark_from_the_repository_root(tmp_path
   assert out.exists() and '"benchmark": "goodput"' in proc.stdout
 
 
+def test_bench_exits_0_for_a_benchmark_whose_main_returns_its_result(tmp_path, capsys,
+                                                                    monkeypatch):
+  """``benchmarks.scale.main`` returns its result (a dict, for the tests):
+  ``snapstore bench scale`` still exits 0, not 1 with the dict on stderr."""
+  from pathlib import Path
+
+  from snapstore import cli
+  monkeypatch.chdir(Path(__file__).resolve().parents[1])
+  assert cli.main(["bench", "scale", "--sizes", "8", "--cases", "one", "--redundancy",
+                   "replicas", "--out", str(tmp_path / "s.json")]) == 0
+  assert (tmp_path / "s.json").exists() and '"rows"' in capsys.readouterr().out
+
+
 def test_a_fault_spec_arms_several_points_and_a_bad_one_is_refused():
   from snapstore import _faults
   assert _faults.parse("capture@9,restore@-1") == (("capture", 9, False),
